@@ -1,0 +1,1 @@
+"""Device kernels: plain-torch building blocks here, Triton kernels under ``triton/``."""

@@ -1,0 +1,49 @@
+"""Grouped GEMM over expert-sorted rows: ``out[s] = x[s] @ w[expert(s)]``.
+
+Uses ``torch._grouped_mm`` where the device and dtype support it (CPU with 16-byte aligned rows;
+CUDA sm90+ in bf16), otherwise a loop over experts (a host sync for the group sizes; it is the
+portable fallback, never the CUDA fast path).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    elem = x.element_size()
+    if (x.shape[-1] * elem) % 16 or (w.shape[-1] * elem) % 16:
+        return False
+    if x.device.type == "cpu":
+        return True
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and _cuda_capability(x.device.index or 0) >= (9, 0)
+    return False
+
+
+def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``x_SK`` rows sorted by expert, ``offsets_E`` int32 end offsets; rows past the last are left 0."""
+    if grouped_mm_supported(x_SK, w_EKN):
+        out = torch._grouped_mm(x_SK.contiguous(), w_EKN, offs=offsets_E.to(torch.int32))
+        # rows past offsets[-1] are not written by the kernel
+        valid = torch.arange(x_SK.shape[0], device=x_SK.device) < offsets_E[-1]
+        return torch.where(valid.unsqueeze(-1), out, 0)
+    return grouped_mm_loop(x_SK, w_EKN, offsets_E)
+
+
+def grouped_mm_loop(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    out = x_SK.new_zeros(x_SK.shape[0], w_EKN.shape[-1])
+    start = 0
+    for expert, end in enumerate(offsets_E.tolist()):
+        if end > start:
+            torch.mm(x_SK[start:end], w_EKN[expert], out=out[start:end])
+        start = end
+    return out

@@ -1,0 +1,112 @@
+"""The fused MoE as ``torch.library`` custom ops, so torch.compile sees one opaque node.
+
+Two ops:
+
+- ``moe_compile::fused_moe``: router logits in, the routing runs inside the op;
+- ``moe_compile::fused_experts``: routing already done (``topk_weights``/``topk_ids`` in). This is
+  how a ``custom_routing_function`` stays compatible with ``fullgraph=True``: ``fused_moe()``
+  calls the Python function *outside* the op (Dynamo traces it like any other code) and hands
+  the result to this op.
+
+Process groups cannot be op arguments; they travel by name (``ProcessGroup.group_name``) and
+are resolved inside the op with ``_resolve_process_group``, as torch's functional collectives do.
+All scalar options are plain ints/floats/bools/strings parsed once into a frozen ``MoEConfig``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from moe_compile.lowering import MoEInputs, get_lowering, resolve
+from moe_compile.modular import ExpertWeights
+from moe_compile.ops.config import (
+    Activation,
+    DispatcherType,
+    ExpertsConfig,
+    Lowering,
+    MoEConfig,
+    ParallelConfig,
+    RoutingConfig,
+    RoutingMethod,
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def make_config(num_experts: int, top_k: int, routing_method: str, renormalize: bool,
+                routed_scaling_factor: float, k_group: int, group_count: int, group_select_mode: int,
+                normalize_sigmoid: bool, scoring_after_topk: bool, has_bias: bool, activation: str,
+                swiglu_alpha: float, swiglu_limit: float, gate_up_interleaved: bool,
+                apply_router_weight_on_input: bool, tp_group_name: Optional[str],
+                ep_group_name: Optional[str], dispatcher_type: Optional[str], tokens_full: bool,
+                reduce_results: bool, lowering: str) -> MoEConfig:
+    routing = RoutingConfig(
+        num_experts=num_experts, top_k=top_k, method=RoutingMethod(routing_method),
+        renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, k_group=k_group,
+        group_count=group_count, group_select_mode=group_select_mode, has_correction_bias=has_bias,
+        normalize_sigmoid=normalize_sigmoid, scoring_after_topk=scoring_after_topk,
+    )
+    experts = ExpertsConfig(
+        activation=Activation(activation), swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=apply_router_weight_on_input,
+    )
+    parallel = ParallelConfig(
+        tp_group_name=tp_group_name, ep_group_name=ep_group_name,
+        dispatcher_type=None if dispatcher_type is None else DispatcherType(dispatcher_type),
+        tokens_full=tokens_full, reduce_results=reduce_results,
+    )
+    return MoEConfig(routing=routing, experts=experts, parallel=parallel, lowering=Lowering(lowering))
+
+
+def _run(cfg: MoEConfig, inputs: MoEInputs) -> torch.Tensor:
+    lowering = get_lowering(resolve(cfg.lowering, inputs.hidden_states.device))
+    return lowering.run(inputs, cfg)
+
+
+@torch.library.custom_op("moe_compile::fused_moe", mutates_args=())
+def fused_moe_op(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
+    w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
+    e_score_correction_bias: Optional[torch.Tensor], num_experts: int, top_k: int,
+    routing_method: str, renormalize: bool, routed_scaling_factor: float, k_group: int,
+    group_count: int, group_select_mode: int, normalize_sigmoid: bool, scoring_after_topk: bool,
+    activation: str, swiglu_alpha: float, swiglu_limit: float, gate_up_interleaved: bool,
+    apply_router_weight_on_input: bool, tp_group_name: Optional[str], ep_group_name: Optional[str],
+    dispatcher_type: Optional[str], tokens_full: bool, reduce_results: bool, lowering: str,
+) -> torch.Tensor:
+    cfg = make_config(num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group,
+                      group_count, group_select_mode, normalize_sigmoid, scoring_after_topk,
+                      e_score_correction_bias is not None, activation, swiglu_alpha, swiglu_limit,
+                      gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
+                      dispatcher_type, tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
+
+
+@fused_moe_op.register_fake
+def _fused_moe_fake(hidden_states, *args, **kwargs):
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("moe_compile::fused_experts", mutates_args=())
+def fused_experts_op(
+    hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_weight: torch.Tensor, w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor],
+    w2_bias: Optional[torch.Tensor], num_experts: int, activation: str, swiglu_alpha: float,
+    swiglu_limit: float, gate_up_interleaved: bool, apply_router_weight_on_input: bool,
+    tp_group_name: Optional[str], ep_group_name: Optional[str], dispatcher_type: Optional[str],
+    tokens_full: bool, reduce_results: bool, lowering: str,
+) -> torch.Tensor:
+    cfg = make_config(num_experts, topk_ids.shape[-1], "softmax", False, 1.0, 1, 1, 0, True, False, False,
+                      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
+                      apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+                      tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    inputs = MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids)
+    return _run(cfg, inputs)
+
+
+@fused_experts_op.register_fake
+def _fused_experts_fake(hidden_states, *args, **kwargs):
+    return torch.empty_like(hidden_states)

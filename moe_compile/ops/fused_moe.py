@@ -1,0 +1,120 @@
+"""``fused_moe``: the staged fused MoE op's public entry (seed 003's signature, MindIE-SD semantics).
+
+The positional parameters are the seed's, in its order and with its defaults. Keyword-only
+extensions follow them for what real models need:
+
+- ``e_score_correction_bias [E]``: added to the scores for expert *selection* only
+  (DeepSeek-V3 / GLM-4 ``noaux_tc`` routing);
+- ``activation``: ``"silu"`` (SiLU-gated, default), ``"gelu"``, ``"gelu_tanh"``, ``"swigluoai"``
+  (gpt-oss clamped SwiGLU, with ``swiglu_alpha``/``swiglu_limit``), or a non-gated
+  ``"silu_no_mul"``/``"gelu_no_mul"``/``"relu_no_mul"``/``"relu2_no_mul"`` (then ``w13`` is
+  ``[E, H, I]``); ``gate_up_interleaved`` reads w13's columns as alternating gate/up (gpt-oss);
+- ``scoring_after_topk``: Llama-4 routing, top-k on the raw logits then the score function on the
+  k picks; ``normalize_sigmoid=False`` keeps sigmoid weights unnormalised (Llama-4, DeepSeek-V3
+  with ``norm_topk_prob=False``); ``apply_router_weight_on_input`` scales the expert input by the
+  (top-1) weight instead of its output (Llama-4);
+- ``lowering``: ``"auto"`` (by device), ``"cpu"``, ``"cuda"`` or ``"npu"``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from moe_compile.ops import custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
+from moe_compile.ops.config import DispatcherType, Lowering, parse_enum
+from moe_compile.ops.validation import validate_routing_output, validate_scalars, validate_tensors
+
+log = logging.getLogger("moe_compile")
+_warned_fused_op = False
+
+
+def _group_name(group) -> str | None:
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) <= 1:
+        return None
+    return group.group_name
+
+
+def fused_moe(
+    hidden_states,
+    router_logits,
+    num_experts,
+    top_k,
+    w13_weight,
+    w2_weight,
+    w13_bias=None,
+    w2_bias=None,
+    tp_group=None,
+    ep_group=None,
+    dispatcher_type=None,
+    tokens_full=True,
+    k_group=1,
+    group_count=1,
+    group_select_mode=0,
+    routing_method="softmax",
+    renormalize=False,
+    routed_scaling_factor=1.0,
+    custom_routing_function=None,
+    reduce_results=True,
+    use_fused_op=False,
+    *,
+    e_score_correction_bias=None,
+    activation="silu",
+    swiglu_alpha=1.702,
+    swiglu_limit=7.0,
+    gate_up_interleaved=False,
+    scoring_after_topk=False,
+    normalize_sigmoid=True,
+    apply_router_weight_on_input=False,
+    lowering="auto",
+) -> torch.Tensor:
+    """Routed-experts forward of one MoE layer; returns a tensor shaped like ``hidden_states``."""
+    args = dict(locals())
+    validate_scalars(args)
+    validate_tensors(args)
+    if use_fused_op:
+        _note_fused_op_fallback()
+    tp_name, ep_name = _group_name(tp_group), _group_name(ep_group)
+    dispatcher = None if dispatcher_type is None else parse_enum(DispatcherType, dispatcher_type, "dispatcher_type").value
+    if dispatcher == "dynamic" and ep_name is None:
+        raise ValueError("dispatcher_type='dynamic' needs an ep_group of size > 1 (dynamic dispatch is EP-only).")
+    lowering = parse_enum(Lowering, lowering, "lowering").value
+    common = dict(
+        activation=activation, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+        gate_up_interleaved=gate_up_interleaved, apply_router_weight_on_input=apply_router_weight_on_input,
+        tp_group_name=tp_name, ep_group_name=ep_name, dispatcher_type=dispatcher,
+        tokens_full=tokens_full, reduce_results=reduce_results, lowering=lowering,
+    )
+    if custom_routing_function is not None:
+        hidden = hidden_states.shape[-1]
+        flat_x = hidden_states.reshape(-1, hidden)
+        flat_logits = router_logits.reshape(-1, num_experts)
+        weights, ids = custom_routing_function(
+            hidden_states=flat_x, gating_output=flat_logits, topk=top_k, renormalize=renormalize
+        )
+        validate_routing_output(weights, ids, flat_x.shape[0], top_k, num_experts)
+        if routed_scaling_factor != 1.0:
+            weights = weights * routed_scaling_factor
+        return torch.ops.moe_compile.fused_experts(
+            hidden_states, weights.float(), ids.to(torch.int32), w13_weight, w2_weight, w13_bias, w2_bias,
+            num_experts=num_experts, **common,
+        )
+    return torch.ops.moe_compile.fused_moe(
+        hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias, e_score_correction_bias,
+        num_experts=num_experts, top_k=top_k, routing_method=routing_method, renormalize=renormalize,
+        routed_scaling_factor=routed_scaling_factor, k_group=k_group, group_count=group_count,
+        group_select_mode=group_select_mode, normalize_sigmoid=normalize_sigmoid,
+        scoring_after_topk=scoring_after_topk, **common,
+    )
+
+
+def _note_fused_op_fallback() -> None:
+    global _warned_fused_op
+    if not _warned_fused_op:
+        _warned_fused_op = True
+        log.warning("fused_moe: use_fused_op=True: the single fused MoE kernel is not available; "
+                    "running the staged path (prepare -> select_experts -> dispatch -> mlp -> combine -> finalize)")

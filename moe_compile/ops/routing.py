@@ -1,0 +1,124 @@
+"""select_experts: router logits -> (topk_weights, topk_ids), in plain torch.
+
+This is the reference semantics of the op's routing stage; every lowering (NPU gating ops,
+the fused CUDA routing kernel) is tested against it. It follows the NPU gating operators
+(``npu_moe_gating_top_k_softmax`` / ``npu_moe_gating_top_k``, notes §1.4 and §2.1-2.2):
+
+1. ``scores = softmax(logits)`` or ``sigmoid(logits)`` in fp32;
+2. ``sel = scores + e_score_correction_bias`` (the bias only steers selection);
+3. grouped routing: view ``sel`` as ``[T, G, E/G]``, score each group by its max (mode 0) or the
+   sum of its top-2 (mode 1), keep the best ``k_group`` groups, mask the rest to ``-inf``;
+4. ``topk_ids = topk(sel, k)``; ``topk_weights = scores[topk_ids]`` (unbiased);
+5. softmax: renormalise only when ``renormalize``; sigmoid: always ``w / (sum(w) + 1e-20)``
+   (unless the ``normalize_sigmoid=False`` extension is given);
+6. ``w *= routed_scaling_factor``.
+
+Llama-4 style (``scoring_after_topk``): top-k on the raw logits, then the score function on the
+k picked logits (softmax over them, or an elementwise sigmoid).
+
+Ties in top-k resolve to the lower expert index, as the NPU ops' goldens do.
+"""
+from __future__ import annotations
+
+import torch
+
+from moe_compile.ops.config import RoutingConfig, RoutingMethod
+
+
+def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
+    if method is RoutingMethod.SOFTMAX:
+        return torch.softmax(logits_f32, dim=-1)
+    return torch.sigmoid(logits_f32)
+
+
+def _mask_groups(sel_TE: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """Keep the ``k_group`` best expert groups of each token; the rest become -inf."""
+    num_tokens, num_experts = sel_TE.shape
+    sel_TGS = sel_TE.view(num_tokens, cfg.group_count, num_experts // cfg.group_count)
+    if cfg.group_select_mode == 0:
+        group_score_TG = sel_TGS.max(dim=-1).values
+    else:
+        group_score_TG = sel_TGS.topk(2, dim=-1).values.sum(dim=-1)
+    keep_TK = group_score_TG.topk(cfg.k_group, dim=-1, sorted=False).indices
+    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, keep_TK, True)
+    masked_TGS = sel_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf"))
+    return masked_TGS.view(num_tokens, num_experts)
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    cfg: RoutingConfig,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route ``router_logits [T, E]``; returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int32)``."""
+    logits_TE = router_logits.float()
+    if cfg.scoring_after_topk:
+        picked_TK, topk_ids = torch.topk(logits_TE, cfg.top_k, dim=-1)
+        if cfg.method is RoutingMethod.SOFTMAX:
+            weights_TK = torch.softmax(picked_TK, dim=-1)
+        else:
+            weights_TK = torch.sigmoid(picked_TK)
+            if cfg.normalize_sigmoid:
+                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
+    else:
+        scores_TE = _score(logits_TE, cfg.method)
+        sel_TE = scores_TE
+        if e_score_correction_bias is not None:
+            sel_TE = scores_TE + e_score_correction_bias.float()
+        if cfg.grouped:
+            sel_TE = _mask_groups(sel_TE, cfg)
+        topk_ids = torch.topk(sel_TE, cfg.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, topk_ids)
+        if cfg.method is RoutingMethod.SOFTMAX:
+            if cfg.renormalize:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        elif cfg.normalize_sigmoid:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
+    if cfg.routed_scaling_factor != 1.0:
+        weights_TK = weights_TK * cfg.routed_scaling_factor
+    return weights_TK, topk_ids.to(torch.int32)
+
+
+def route_per_token_reference(
+    router_logits: torch.Tensor,
+    cfg: RoutingConfig,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same semantics written one token at a time with Python lists (the test oracle)."""
+    weights, ids = [], []
+    bias = None if e_score_correction_bias is None else e_score_correction_bias.float().tolist()
+    for row in router_logits.float().tolist():
+        num_experts = len(row)
+        t = torch.tensor(row, dtype=torch.float64)
+        if cfg.scoring_after_topk:
+            order = sorted(range(num_experts), key=lambda e: (-row[e], e))[: cfg.top_k]
+            picked = t[order]
+            if cfg.method is RoutingMethod.SOFTMAX:
+                w = torch.softmax(picked, 0)
+            else:
+                w = torch.sigmoid(picked)
+                if cfg.normalize_sigmoid:
+                    w = w / (w.sum() + cfg.sigmoid_eps)
+        else:
+            scores = torch.softmax(t, 0) if cfg.method is RoutingMethod.SOFTMAX else torch.sigmoid(t)
+            sel = [float(scores[e]) + (bias[e] if bias else 0.0) for e in range(num_experts)]
+            allowed = set(range(num_experts))
+            if cfg.group_count > 1:
+                size = num_experts // cfg.group_count
+                groups = [sel[g * size:(g + 1) * size] for g in range(cfg.group_count)]
+                if cfg.group_select_mode == 0:
+                    gscore = [max(g) for g in groups]
+                else:
+                    gscore = [sum(sorted(g, reverse=True)[:2]) for g in groups]
+                kept = sorted(range(cfg.group_count), key=lambda g: (-gscore[g], g))[: cfg.k_group]
+                allowed = {g * size + i for g in kept for i in range(size)}
+            order = sorted(allowed, key=lambda e: (-sel[e], e))[: cfg.top_k]
+            w = scores[order]
+            if cfg.method is RoutingMethod.SOFTMAX:
+                if cfg.renormalize:
+                    w = w / w.sum()
+            elif cfg.normalize_sigmoid:
+                w = w / (w.sum() + cfg.sigmoid_eps)
+        weights.append((w * cfg.routed_scaling_factor).tolist())
+        ids.append(order)
+    return torch.tensor(weights, dtype=torch.float32), torch.tensor(ids, dtype=torch.int32)
