@@ -107,7 +107,10 @@ class PrepareAndFinalize(abc.ABC):
         num_experts: int,
         expert_map: torch.Tensor | None,
         apply_router_weight_on_input: bool,
-    ) -> PrepareResult: ...
+    ) -> PrepareResult:
+        """Dispatch the tokens. With ``apply_router_weight_on_input`` (top-1 only) prepare scales
+        the tokens by their router weight *here*, once; the experts and the weight-and-reduce
+        then leave the output unweighted (they only read the flag to skip the weighting)."""
 
     def prepare_no_receive(self, **kwargs) -> Callable[[], PrepareResult]:
         """Start the dispatch and return a receiver; the default dispatches eagerly."""

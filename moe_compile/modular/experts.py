@@ -57,8 +57,6 @@ class ReferenceExperts(PermuteExpertsUnpermute):
             if pairs.numel() == 0:
                 continue
             x = hidden_states.index_select(0, pairs // topk)
-            if apply_router_weight_on_input:
-                x = x * topk_weights.reshape(-1)[pairs].unsqueeze(-1).to(x.dtype)
             h = _scratch(workspace13, pairs.numel(), weights.w13.shape[2])
             torch.mm(x, weights.w13[expert], out=h)
             if weights.w13_bias is not None:
@@ -101,8 +99,6 @@ class GroupedExperts(PermuteExpertsUnpermute):
         x_SK = _scratch(workspace13, order.numel(), hidden_states.shape[1])
         torch.index_select(hidden_states, 0, token_of_row, out=x_SK)
         weight_S = topk_weights.reshape(-1)[order].float()
-        if apply_router_weight_on_input:
-            x_SK.mul_(weight_S.unsqueeze(-1).to(x_SK.dtype))
         expert_S = slots.local_expert[order].clamp(min=0)
         h_SN = grouped_mm(x_SK, weights.w13, slots.offsets)
         if weights.w13_bias is not None:

@@ -108,10 +108,13 @@ class ModularKernel:
         batched = self.prepare_finalize.activation_format is ActivationFormat.BATCHED
         rows = x.shape[1] if batched else x.shape[0]
         chunk = rows if (batched or not self.experts.supports_chunking()) else min(rows, self.chunk_size)
-        chunk = max(chunk, 1)
-        scratch = self._shapes(chunk, prepared, weights, global_num_experts)
         full = self._shapes(rows, prepared, weights, global_num_experts)
         ws_dtype = x.dtype
+        if rows == 0:
+            # No token arrived (an empty batch, or an all-to-all that sent this rank nothing):
+            # skip the GEMMs; finalize still runs, so every rank joins the combine.
+            return torch.zeros(full.output, dtype=ws_dtype, device=x.device)
+        scratch = self._shapes(chunk, prepared, weights, global_num_experts)
         workspace13 = torch.empty(scratch.workspace13, dtype=ws_dtype, device=x.device)
         workspace2 = torch.empty(scratch.workspace2, dtype=ws_dtype, device=x.device)
         fused_out = torch.empty(full.output, dtype=ws_dtype, device=x.device)

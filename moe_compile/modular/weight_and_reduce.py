@@ -27,7 +27,7 @@ class TopKWeightAndReduceContiguous(TopKWeightAndReduce):
 
     def apply(self, *, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input):
         num_tokens, topk = topk_ids.shape
-        rows_MTK = fused_expert_output.view(num_tokens, topk, -1)
+        rows_MTK = fused_expert_output.view(num_tokens, topk, fused_expert_output.shape[-1])
         if apply_router_weight_on_input:
             reduced = rows_MTK.float().sum(dim=1)
         else:

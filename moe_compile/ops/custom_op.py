@@ -86,7 +86,8 @@ def fused_moe_op(
 
 @fused_moe_op.register_fake
 def _fused_moe_fake(hidden_states, *args, **kwargs):
-    return torch.empty_like(hidden_states)
+    # contiguous, like the real output (empty_like would copy a transposed input's strides)
+    return hidden_states.new_empty(hidden_states.shape)
 
 
 @torch.library.custom_op("moe_compile::fused_experts", mutates_args=())
@@ -109,4 +110,5 @@ def fused_experts_op(
 
 @fused_experts_op.register_fake
 def _fused_experts_fake(hidden_states, *args, **kwargs):
-    return torch.empty_like(hidden_states)
+    # contiguous, like the real output (empty_like would copy a transposed input's strides)
+    return hidden_states.new_empty(hidden_states.shape)

@@ -25,6 +25,16 @@ import torch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 
 
+def topk_lower_index_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk`` along the last dim, but equal values resolve to the lower index.
+
+    ``torch.topk`` gives no order among ties (on CPU it returns e.g. index 20 before 5), while
+    the NPU gating ops pick the lower index first; a stable descending sort does exactly that.
+    """
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
     if method is RoutingMethod.SOFTMAX:
         return torch.softmax(logits_f32, dim=-1)
@@ -39,7 +49,7 @@ def _mask_groups(sel_TE: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
         group_score_TG = sel_TGS.max(dim=-1).values
     else:
         group_score_TG = sel_TGS.topk(2, dim=-1).values.sum(dim=-1)
-    keep_TK = group_score_TG.topk(cfg.k_group, dim=-1, sorted=False).indices
+    keep_TK = topk_lower_index_first(group_score_TG, cfg.k_group)[1]
     keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, keep_TK, True)
     masked_TGS = sel_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf"))
     return masked_TGS.view(num_tokens, num_experts)
@@ -53,7 +63,7 @@ def select_experts(
     """Route ``router_logits [T, E]``; returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int32)``."""
     logits_TE = router_logits.float()
     if cfg.scoring_after_topk:
-        picked_TK, topk_ids = torch.topk(logits_TE, cfg.top_k, dim=-1)
+        picked_TK, topk_ids = topk_lower_index_first(logits_TE, cfg.top_k)
         if cfg.method is RoutingMethod.SOFTMAX:
             weights_TK = torch.softmax(picked_TK, dim=-1)
         else:
@@ -67,7 +77,7 @@ def select_experts(
             sel_TE = scores_TE + e_score_correction_bias.float()
         if cfg.grouped:
             sel_TE = _mask_groups(sel_TE, cfg)
-        topk_ids = torch.topk(sel_TE, cfg.top_k, dim=-1).indices
+        topk_ids = topk_lower_index_first(sel_TE, cfg.top_k)[1]
         weights_TK = scores_TE.gather(1, topk_ids)
         if cfg.method is RoutingMethod.SOFTMAX:
             if cfg.renormalize:
