@@ -93,10 +93,17 @@ def fused_moe(
         hidden = hidden_states.shape[-1]
         flat_x = hidden_states.reshape(-1, hidden)
         flat_logits = router_logits.reshape(-1, num_experts)
-        weights, ids = custom_routing_function(
+        if e_score_correction_bias is not None:
+            raise ValueError("e_score_correction_bias only steers the built-in routing; it cannot be combined "
+                             "with custom_routing_function (apply it inside the function instead).")
+        routed = custom_routing_function(
             hidden_states=flat_x, gating_output=flat_logits, topk=top_k, renormalize=renormalize
         )
-        validate_routing_output(weights, ids, flat_x.shape[0], top_k, num_experts)
+        if not isinstance(routed, (tuple, list)) or len(routed) != 2:
+            raise TypeError(f"custom_routing_function must return a (topk_weights, topk_ids) pair, "
+                            f"but got {type(routed).__name__}.")
+        weights, ids = routed
+        validate_routing_output(weights, ids, flat_x.shape[0], top_k, num_experts, hidden_states.device)
         if routed_scaling_factor != 1.0:
             weights = weights * routed_scaling_factor
         return torch.ops.moe_compile.fused_experts(

@@ -193,7 +193,8 @@ def _check_dtypes_devices(a: dict) -> None:
                              f"expected every tensor on one device.")
 
 
-def validate_routing_output(weights, ids, num_tokens: int, top_k: int, num_experts: int) -> None:
+def validate_routing_output(weights, ids, num_tokens: int, top_k: int, num_experts: int,
+                            device: torch.device | None = None) -> None:
     """What a custom_routing_function returned."""
     for name, t in (("topk_weights", weights), ("topk_ids", ids)):
         if not isinstance(t, torch.Tensor):
@@ -206,3 +207,14 @@ def validate_routing_output(weights, ids, num_tokens: int, top_k: int, num_exper
         raise TypeError(f"custom_routing_function's topk_ids must be an integer tensor, but got {ids.dtype}.")
     if not weights.is_floating_point():
         raise TypeError(f"custom_routing_function's topk_weights must be floating, but got {weights.dtype}.")
+    for name, t in (("topk_weights", weights), ("topk_ids", ids)):
+        if device is not None and t.device != device:
+            raise ValueError(f"custom_routing_function's {name} is on {t.device} but hidden_states is on "
+                             f"{device}; expected the same device.")
+    # The range check reads the ids on the host, so it runs in eager mode only (under torch.compile
+    # it would break the graph); an out-of-range id would otherwise be dropped without a word.
+    if ids.numel() and not torch.compiler.is_compiling() and ids.device.type != "meta":
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"custom_routing_function's topk_ids must lie in [0, num_experts={num_experts}), "
+                             f"but got values in [{low}, {high}].")
