@@ -46,6 +46,7 @@ ANY_DEVICE = ("cpu", "cuda", "npu")
 # Modules that register more types when imported (added by the modules' authors).
 PLUGIN_MODULES: list[str] = [
     "moe_compile.modular.distributed_pf",
+    "moe_compile.kernels.triton.register",
 ]
 
 

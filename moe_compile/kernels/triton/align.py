@@ -1,0 +1,148 @@
+"""Group the (token, k) pairs by expert with no host synchronisation and no padded buffers.
+
+Two launches (plus a memset of the ``E`` counters):
+
+1. ``_count_kernel``: each pair takes a ticket from its expert's counter (``atomic_add`` returns
+   the pair's rank among that expert's pairs); pairs of experts that are not local (``expert_map``
+   gives -1) get rank -1.
+2. ``_scatter_kernel``: every program derives the experts' start rows from the ``E`` counts
+   (exclusive prefix sum), puts each pair at ``start[expert] + rank`` and records the inverse
+   permutation ``pos`` (-1 for non-local pairs); program 0 also writes the inclusive offsets that
+   ``torch._grouped_mm`` takes. Optionally the same pass gathers the token rows into expert order.
+
+The sorted list is exactly ``P`` long: there is no per-expert block padding. GEMM kernels find
+their expert and row range from the counts themselves (``gemm.py``), so partial blocks are masked,
+never materialised. Ranks inside one expert follow atomic order, so the order of rows within an
+expert may change from run to run; every row is computed on its own, so results do not.
+
+``align_reference`` is the plain-torch version (stable order), built on ``modular.slots``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_compile.modular.slots import batched_slots
+
+
+@dataclass(frozen=True)
+class Alignment:
+    sorted_pair: torch.Tensor  # [P] int32: pair index (t * k + j) at each expert-ordered row
+    pos: torch.Tensor  # [P] int32: row of each pair in expert order; -1 when not local
+    counts: torch.Tensor  # [E_local] int32
+    offsets: torch.Tensor  # [E_local] int32 inclusive prefix sum of counts
+    x_sorted: torch.Tensor | None = None  # [P, H] token rows in expert order (when gathered)
+
+
+@triton.jit
+def _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP: tl.constexpr):
+    e = tl.load(ids_ptr + p, mask=pmask, other=-1)
+    if HAS_MAP:
+        e = tl.load(map_ptr + e, mask=pmask & (e >= 0), other=-1)
+    valid = pmask & (e >= 0) & (e < E_local)
+    return tl.where(valid, e, -1), valid
+
+
+@triton.jit
+def _count_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, P, E_local,
+                  HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pmask = p < P
+    e, valid = _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP)
+    rank = tl.atomic_add(counts_ptr + tl.where(valid, e, 0), 1, mask=valid, sem="relaxed")
+    tl.store(rank_ptr + p, tl.where(valid, rank, -1), mask=pmask)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, sorted_ptr, pos_ptr, offsets_ptr,
+                    x_ptr, xs_ptr, P, E_local, H, stride_x, stride_xs,
+                    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATHER: tl.constexpr,
+                    E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    eo = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+    ends = tl.cumsum(counts, 0)
+    starts = ends - counts
+    if pid == 0:
+        tl.store(offsets_ptr + eo, ends, mask=eo < E_local)
+    p = pid * BLOCK + tl.arange(0, BLOCK)
+    pmask = p < P
+    e, valid = _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP)
+    rank = tl.load(rank_ptr + p, mask=pmask, other=0)
+    start = tl.sum(tl.where(eo[None, :] == e[:, None], starts[None, :], 0), axis=1)
+    row = start + rank
+    tl.store(sorted_ptr + row, p, mask=valid)
+    tl.store(pos_ptr + p, tl.where(valid, row, -1), mask=pmask)
+    if GATHER:
+        src = x_ptr + (p // TOP_K)[:, None].to(tl.int64) * stride_x
+        dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)[None, :]
+            m = valid[:, None] & (h < H)
+            tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
+
+
+def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be a 2-D tensor [T, k], but got {getattr(topk_ids, 'shape', topk_ids)}.")
+    if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
+        raise TypeError(f"topk_ids must be contiguous int32, but got {topk_ids.dtype} (contiguous="
+                        f"{topk_ids.is_contiguous()}).")
+    if num_local < 1:
+        raise ValueError(f"num_local must be >= 1, but got {num_local}.")
+    if expert_map is not None and (expert_map.dtype != torch.int32 or expert_map.dim() != 1):
+        raise TypeError(f"expert_map must be a 1-D int32 tensor, but got {expert_map.dtype} {tuple(expert_map.shape)}.")
+
+
+def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None,
+          x: torch.Tensor | None = None, block: int = 256) -> Alignment:
+    """Sort the pairs of ``topk_ids [T, k]`` by local expert; with ``x`` also gather its rows."""
+    _check_ids(topk_ids, num_local, expert_map)
+    num_tokens, top_k = topk_ids.shape
+    pairs = num_tokens * top_k
+    dev = topk_ids.device
+    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
+    rank = torch.empty(pairs, dtype=torch.int32, device=dev)
+    # rows past the last valid one (only with an expert_map) are never written: keep them in range
+    sorted_pair = (torch.zeros if expert_map is not None else torch.empty)(pairs, dtype=torch.int32, device=dev)
+    pos = torch.empty(pairs, dtype=torch.int32, device=dev)
+    offsets = torch.empty(num_local, dtype=torch.int32, device=dev)
+    x_sorted = None
+    if x is not None:
+        if x.dim() != 2 or x.shape[0] != num_tokens or x.stride(1) != 1:
+            raise ValueError(f"x must be [T={num_tokens}, H] with a contiguous last dim, but got {tuple(x.shape)}.")
+        x_sorted = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=dev)
+    if pairs == 0:
+        return Alignment(sorted_pair, pos, counts, offsets.zero_(), x_sorted)
+    has_map = expert_map is not None
+    grid = (triton.cdiv(pairs, block),)
+    _count_kernel[grid](topk_ids, expert_map if has_map else topk_ids, counts, rank, pairs, num_local,
+                        HAS_MAP=has_map, BLOCK=block, num_warps=4)
+    e_pad = triton.next_power_of_2(num_local)
+    scatter_block = max(16, min(block, 8192 // e_pad))
+    hidden = 0 if x is None else x.shape[1]
+    _scatter_kernel[(triton.cdiv(pairs, scatter_block),)](
+        topk_ids, expert_map if has_map else topk_ids, counts, rank, sorted_pair, pos, offsets,
+        x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
+        0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
+        TOP_K=top_k, HAS_MAP=has_map, GATHER=x is not None, E_PAD=e_pad, BLOCK=scatter_block,
+        BLOCK_H=max(16, min(1024, 8192 // scatter_block)), num_warps=4)
+    return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
+
+
+def align_reference(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None,
+                    x: torch.Tensor | None = None) -> Alignment:
+    """The same grouping in plain torch, pairs of one expert in token order."""
+    slots = batched_slots(topk_ids, num_local, expert_map)
+    order = slots.order.to(torch.int32)
+    valid_sorted = slots.valid[slots.order]
+    pos = torch.full_like(order, -1)
+    pos[slots.order[valid_sorted]] = torch.arange(order.numel(), device=order.device, dtype=torch.int32)[valid_sorted]
+    x_sorted = None if x is None else x[(slots.order // topk_ids.shape[1])]
+    return Alignment(order, pos, slots.expert_num_tokens, slots.offsets, x_sorted)
+
+
+__all__ = ["Alignment", "align", "align_reference"]

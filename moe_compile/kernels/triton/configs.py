@@ -1,0 +1,118 @@
+"""Which path and which block sizes the CUDA experts use for a shape: tuned JSON, else a heuristic.
+
+Tuned files live beside this module in ``configs/`` and are written by ``benchmarks/tune_triton.py``:
+``E={E},H={H},I={I},dtype={dtype},device={device}.json`` maps a token count ``M`` to
+``{"path": "pairs"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
+stages). The entry whose ``M`` is nearest on a log scale is used.
+
+Paths:
+
+- ``pairs``: one M-block per (token, expert) pair, no sorting kernels (decode with many experts);
+- ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused;
+- ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on
+  sm90), the activation as a separate Triton pass (bf16 without biases only).
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_compile.kernels.triton.gemm import GemmConfig
+
+log = logging.getLogger("moe_compile")
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+class ExpertsPath(enum.Enum):
+    PAIRS = "pairs"
+    SORTED = "sorted"
+    GROUPED_MM = "grouped_mm"
+
+
+@dataclass(frozen=True)
+class Plan:
+    path: ExpertsPath
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+
+    def to_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return {"path": self.path.value, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+
+    @staticmethod
+    def from_dict(d: dict) -> "Plan":
+        return Plan(ExpertsPath(d["path"]), GemmConfig.from_dict(d["gemm1"]), GemmConfig.from_dict(d["gemm2"]))
+
+
+def device_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    if "H200" in name:
+        return "NVIDIA_H200"
+    return name.replace(" ", "_")
+
+
+def dtype_key(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
+def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> str:
+    return f"E={num_experts},H={hidden},I={inter},dtype={dtype_key(dtype)},device={device}.json"
+
+
+@functools.lru_cache(maxsize=64)
+def _load(file_name: str) -> dict[int, Plan] | None:
+    path = CONFIG_DIR / file_name
+    if not path.exists():
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(m): Plan.from_dict(v) for m, v in raw.items() if not m.startswith("_")}
+
+
+def pairs_eligible(num_pairs: int, num_local: int) -> bool:
+    """Few pairs over many experts: a sort costs more launches than the rare shared expert saves."""
+    return num_pairs * 4 <= num_local or num_pairs <= 2
+
+
+def default_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> Plan:
+    pairs = num_tokens * top_k
+    if pairs_eligible(pairs, num_local):
+        small = GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return Plan(ExpertsPath.PAIRS, small, small)
+    per_expert = pairs / max(num_local, 1)
+    if per_expert <= 16:
+        cfg = GemmConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+        return Plan(ExpertsPath.SORTED, cfg, cfg)
+    if per_expert <= 64:
+        cfg = GemmConfig(block_m=64, block_n=64, block_k=64, group_m=4, num_warps=4, num_stages=4)
+        return Plan(ExpertsPath.SORTED, cfg, cfg)
+    g1 = GemmConfig(block_m=128, block_n=64, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    g2 = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    return Plan(ExpertsPath.SORTED, g1, g2)
+
+
+def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                dtype: torch.dtype, device: torch.device) -> Plan:
+    table = _load(config_file_name(num_local, hidden, inter, dtype, device_key(device)))
+    if not table:
+        return default_plan(num_tokens, top_k, num_local, hidden, inter)
+    target = math.log2(max(num_tokens, 1))
+    best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
+    plan = table[best]
+    if plan.path is ExpertsPath.PAIRS and not pairs_eligible(num_tokens * top_k, num_local):
+        # a tuned decode entry does not carry over to a batch whose pairs share experts
+        return default_plan(num_tokens, top_k, num_local, hidden, inter)
+    return plan
+
+
+__all__ = ["CONFIG_DIR", "ExpertsPath", "Plan", "choose_plan", "config_file_name", "default_plan", "device_key"]

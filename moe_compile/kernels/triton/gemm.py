@@ -1,0 +1,236 @@
+"""Expert GEMMs over expert-grouped rows, with the activation fused into the first one.
+
+``moe_gemm`` computes, for every M-block of rows that belong to one expert ``e``::
+
+    out[r, n] = act( A[a_row(r), :] @ W[e][:, cols(n)] + bias[e, cols(n)] )
+
+- ``sorted`` blocks: rows ``r`` index the expert-ordered pair list of ``align.py``; a program finds
+  its expert and row range from the ``E`` counts (prefix sums in registers), so no block table and
+  no padded rows exist. For the first GEMM ``a_row(r) = sorted_pair[r] // top_k`` (the token rows
+  are gathered on the fly), for the second ``a_row(r) = r``.
+- ``pair`` blocks (few pairs, many experts: decode): block ``m`` is pair ``m`` alone, its expert
+  read straight from ``topk_ids``; no sorting kernels run at all.
+
+Gated activations compute the gate and the up tile of the same output columns in one program (two
+accumulators), so the ``[P, 2I]`` intermediate never reaches memory. ``W`` is addressed through its
+strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view without a copy.
+
+``moe_gemm_reference`` is the plain-torch meaning (a loop over rows' experts).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_compile.kernels.triton.activation import act_code, apply_act
+from moe_compile.ops.activation import apply_activation
+from moe_compile.ops.config import ExpertsConfig
+
+NO_ACT = -1
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @staticmethod
+    def from_dict(d: dict) -> "GemmConfig":
+        return GemmConfig(**{k: int(v) for k, v in d.items() if k in GemmConfig.__dataclass_fields__})
+
+
+@triton.jit
+def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
+                PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(live, expert, first row, end row) of M-block ``pid_m``."""
+    if PAIR_BLOCKS:
+        e = tl.load(ids_ptr + pid_m)
+        if HAS_MAP:
+            e = tl.load(map_ptr + e)
+        live = (e >= 0) & (e < E_local)
+        row0 = pid_m
+        row_end = pid_m + 1
+    else:
+        eo = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+        nblk = (counts + BLOCK_M - 1) // BLOCK_M
+        blk_end = tl.cumsum(nblk, 0)
+        live = pid_m < tl.sum(nblk)
+        e = tl.sum((blk_end <= pid_m).to(tl.int32))
+        row_end_all = tl.cumsum(counts, 0)
+        here = eo == e
+        first_blk = tl.sum(tl.where(here, blk_end - nblk, 0))
+        row_end = tl.sum(tl.where(here, row_end_all, 0))
+        row0 = tl.sum(tl.where(here, row_end_all - counts, 0)) + (pid_m - first_blk) * BLOCK_M
+    return live, e, row0, row_end
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr,
+    E_local, N, K, num_blocks_m,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, E_PAD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_rows
+    pid_n = (pid % in_group) // group_rows
+    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
+                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD)
+    if not live:
+        return
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATHER_A:
+        if PAIR_BLOCKS:
+            a_rows = rows // TOP_K
+        else:
+            a_rows = tl.load(sorted_ptr + rows, mask=rmask, other=0) // TOP_K
+    else:
+        a_rows = rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + k[:, None] * stride_wk + (n * col_mult)[None, :].to(tl.int64) * stride_wn
+    u_ptrs = g_ptrs + up_off * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + k) < K
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+        if GATED:
+            if EVEN_K:
+                wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(a, wu, acc_u)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if ACT >= 0:
+        acc_g = apply_act(acc_g, acc_u, alpha, limit, ACT)
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
+    tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
+    """An upper bound on the M-blocks (every expert adds at most one partial block)."""
+    if pair_blocks:
+        return pairs
+    return triton.cdiv(pairs, block_m) + min(num_local, pairs)
+
+
+def _check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, n_out: int) -> None:
+    for name, t in (("a", a), ("w", w), ("out", out)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, but got {type(t).__name__}.")
+    if a.dim() != 2 or w.dim() != 3 or out.dim() != 2:
+        raise ValueError(f"expected a [R, K], w [E, K, N], out [P, N_out]; got {tuple(a.shape)}, "
+                         f"{tuple(w.shape)}, {tuple(out.shape)}.")
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"a.shape[1]={a.shape[1]} must equal w.shape[1]={w.shape[1]} (the reduction dim K).")
+    if out.shape[1] != n_out or out.stride(1) != 1:
+        raise ValueError(f"out must be [P, {n_out}] with a contiguous last dim, but got {tuple(out.shape)} "
+                         f"strides {out.stride()}.")
+    if a.dtype != w.dtype:
+        raise TypeError(f"a.dtype={a.dtype} must equal w.dtype={w.dtype}.")
+    if bias is not None and tuple(bias.shape) != (w.shape[0], w.shape[2]):
+        raise ValueError(f"bias must have shape {(w.shape[0], w.shape[2])}, but got {tuple(bias.shape)}.")
+
+
+def moe_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, topk_ids: torch.Tensor, top_k: int,
+    counts: torch.Tensor | None, sorted_pair: torch.Tensor | None, expert_map: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, experts: ExpertsConfig | None = None, gather_a: bool,
+    config: GemmConfig = GemmConfig(),
+) -> torch.Tensor:
+    """One expert GEMM (see the module doc). ``counts is None`` selects pair blocks.
+
+    ``experts`` given: the first GEMM (``w`` is w13, the activation is fused, ``out`` is
+    ``[P, I]``); ``None``: the second GEMM (``out`` is ``[P, N]``).
+    """
+    pair_blocks = counts is None
+    gated = experts is not None and experts.activation.is_gated
+    n_cols = w.shape[2] // 2 if gated else w.shape[2]
+    _check(a, w, out, bias, n_cols)
+    if not pair_blocks and sorted_pair is None and gather_a:
+        raise ValueError("sorted blocks with gather_a=True need sorted_pair.")
+    pairs = topk_ids.numel()
+    num_local = w.shape[0]
+    if pairs == 0:
+        return out
+    interleaved = gated and experts.gate_up_interleaved
+    cfg = config
+    nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
+    grid = (nbm * triton.cdiv(n_cols, cfg.block_n),)
+    dummy = topk_ids
+    _moe_gemm_kernel[grid](
+        a, w, bias if bias is not None else w, out,
+        sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
+        topk_ids, expert_map if expert_map is not None else dummy,
+        num_local, n_cols, a.shape[1], nbm,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
+        1 if interleaved else n_cols, 2 if interleaved else 1,
+        float(experts.swiglu_alpha) if experts else 0.0, float(experts.swiglu_limit) if experts else 0.0,
+        TOP_K=top_k, GATHER_A=gather_a, PAIR_BLOCKS=pair_blocks, HAS_MAP=expert_map is not None,
+        GATED=gated, ACT=act_code(experts) if experts is not None else NO_ACT, HAS_BIAS=bias is not None,
+        EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        E_PAD=triton.next_power_of_2(num_local), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def moe_gemm_reference(a_rows: torch.Tensor, expert_of_row: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor | None = None, experts: ExpertsConfig | None = None) -> torch.Tensor:
+    """Row ``r`` -> ``act(a_rows[r] @ w[expert_of_row[r]] + bias)`` in fp32 (rows with expert -1 -> 0)."""
+    out_rows = []
+    for r in range(a_rows.shape[0]):
+        e = int(expert_of_row[r])
+        width = w.shape[2] // 2 if (experts is not None and experts.activation.is_gated) else w.shape[2]
+        if e < 0:
+            out_rows.append(torch.zeros(width))
+            continue
+        h = a_rows[r].float() @ w[e].float()
+        if bias is not None:
+            h = h + bias[e].float()
+        out_rows.append(apply_activation(h.unsqueeze(0), experts)[0] if experts is not None else h)
+    return torch.stack(out_rows) if out_rows else torch.zeros(0, w.shape[2])
+
+
+__all__ = ["GemmConfig", "max_m_blocks", "moe_gemm", "moe_gemm_reference"]

@@ -1,0 +1,179 @@
+"""Triton experts (pairs / sorted / grouped_mm paths, GEMM, activation, combine) against plain torch.
+
+CPU: fp32 under Triton's interpreter, tiny shapes. CUDA: bf16 at model-like shapes.
+Tolerances: fp32 1e-4 (absolute, outputs of order 1), bf16 2e-2 relative Frobenius error.
+"""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from moe_compile.kernels.triton.activation import activation, activation_reference  # noqa: E402
+from moe_compile.kernels.triton.combine import combine, combine_reference  # noqa: E402
+from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan  # noqa: E402
+from moe_compile.kernels.triton.experts import TritonExperts, fused_experts  # noqa: E402
+from moe_compile.kernels.triton.gemm import GemmConfig, moe_gemm, moe_gemm_reference  # noqa: E402
+from moe_compile.modular import ExpertWeights  # noqa: E402
+from moe_compile.modular.experts import ReferenceExperts  # noqa: E402
+from moe_compile.modular.kernel import ModularKernel  # noqa: E402
+from moe_compile.modular.prepare_finalize import StandardPrepareAndFinalize  # noqa: E402
+from moe_compile.ops.config import Activation, ExpertsConfig  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TINY = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+PATHS = [ExpertsPath.PAIRS, ExpertsPath.SORTED] + ([ExpertsPath.GROUPED_MM] if CUDA else [])
+
+
+def _weights(num_experts, hidden, inter, act, *, hf_layout, bias, gen):
+    n13 = 2 * inter if act.is_gated else inter
+    if hf_layout:  # HF stores [E, 2I, H] / [E, H, I]; the op gets transposed views
+        w13 = torch.randn(num_experts, n13, hidden, generator=gen).transpose(1, 2)
+        w2 = torch.randn(num_experts, hidden, inter, generator=gen).transpose(1, 2)
+    else:
+        w13 = torch.randn(num_experts, hidden, n13, generator=gen)
+        w2 = torch.randn(num_experts, inter, hidden, generator=gen)
+    w13, w2 = w13 * hidden ** -0.5, w2 * inter ** -0.5
+    b13 = torch.randn(num_experts, n13, generator=gen) * 0.1 if bias else None
+    b2 = torch.randn(num_experts, hidden, generator=gen) * 0.1 if bias else None
+    to = lambda t: None if t is None else t.to(device=DEV, dtype=DTYPE)  # noqa: E731
+    return ExpertWeights(to(w13), to(w2), to(b13), to(b2))
+
+
+def _routing(tokens, num_experts, top_k, gen):
+    weights, ids = torch.randn(tokens, num_experts, generator=gen).softmax(-1).topk(top_k)
+    return weights.to(DEV), ids.int().to(DEV)
+
+
+def _reference(x, topk_w, topk_ids, weights, cfg, expert_map=None, global_experts=None):
+    up = lambda t: None if t is None else t.float()  # noqa: E731
+    w32 = ExpertWeights(up(weights.w13), up(weights.w2), up(weights.w13_bias), up(weights.w2_bias))
+    kernel = ModularKernel(StandardPrepareAndFinalize(), ReferenceExperts(cfg))
+    return kernel(x.float(), topk_w, topk_ids, w32, global_num_experts=global_experts or weights.w13.shape[0],
+                  expert_map=expert_map)
+
+
+def _assert_close(out, ref):
+    assert out.dtype == DTYPE and torch.isfinite(out).all()
+    if DTYPE == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    else:
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, err
+
+
+ACTS = [(Activation.SILU, False), (Activation.GELU, False), (Activation.GELU_TANH, False),
+        (Activation.SWIGLU_OAI, True), (Activation.SILU_NO_MUL, False), (Activation.RELU2_NO_MUL, False)]
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+@pytest.mark.parametrize("act,interleaved", ACTS, ids=lambda a: getattr(a, "value", str(a)))
+def test_fused_experts_activations(path, act, interleaved):
+    gen = torch.Generator().manual_seed(7)
+    tokens, hidden, inter, num_experts, top_k = (9, 32, 24, 6, 2) if not CUDA else (70, 256, 192, 16, 4)
+    bias = act is Activation.SWIGLU_OAI or act is Activation.SILU_NO_MUL
+    if path is ExpertsPath.GROUPED_MM and bias:
+        pytest.skip("the grouped_mm path takes no biases (plan_for routes those to the sorted path)")
+    cfg = ExpertsConfig(activation=act, gate_up_interleaved=interleaved, swiglu_limit=1.0)
+    weights = _weights(num_experts, hidden, inter, act, hf_layout=True, bias=bias, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(tokens, num_experts, top_k, gen)
+    plan = Plan(path, TINY, TINY) if not CUDA else Plan(path, GemmConfig(), GemmConfig())
+    out = fused_experts(x, topk_w, topk_ids, weights, cfg, plan=plan)
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, cfg))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
+def test_fused_experts_expert_map(path):
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden, inter = (13, 32, 16) if not CUDA else (100, 128, 64)
+    weights = _weights(4, hidden, inter, Activation.SILU, hf_layout=False, bias=False, gen=gen)
+    expert_map = torch.tensor([-1, -1, 0, 1, -1, 2, 3, -1], dtype=torch.int32, device=DEV)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(tokens, 8, 2, gen)
+    plan = Plan(path, TINY, TINY) if not CUDA else None
+    out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
+    ref = _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, 8)
+    _assert_close(out, ref)
+
+
+def test_triton_experts_in_modular_kernel_unweighted_input():
+    """Llama-4 style: the weight scaled the input in prepare, so the experts sum unweighted."""
+    gen = torch.Generator().manual_seed(5)
+    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=False, bias=False, gen=gen)
+    x = torch.randn(10, 32, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(10, 4, 1, gen)
+    kernel = ModularKernel(StandardPrepareAndFinalize(), TritonExperts(ExpertsConfig()))
+    out = kernel(x, topk_w, topk_ids, weights, global_num_experts=4, apply_router_weight_on_input=True)
+    ref_kernel = ModularKernel(StandardPrepareAndFinalize(), ReferenceExperts(ExpertsConfig()))
+    ref = ref_kernel(x, topk_w, topk_ids, weights, global_num_experts=4, apply_router_weight_on_input=True)
+    _assert_close(out, ref.float())
+
+
+def test_moe_gemm_pair_blocks_and_reference():
+    gen = torch.Generator().manual_seed(3)
+    weights = _weights(5, 32, 16, Activation.SILU, hf_layout=True, bias=True, gen=gen)
+    x = torch.randn(6, 32, generator=gen).to(DEV, DTYPE)
+    _, topk_ids = _routing(6, 5, 2, gen)
+    act = torch.full((12, 16), float("nan"), device=DEV, dtype=DTYPE)
+    moe_gemm(x, weights.w13, act, topk_ids=topk_ids, top_k=2, counts=None, sorted_pair=None,
+             bias=weights.w13_bias, experts=ExpertsConfig(), gather_a=True, config=TINY)
+    ref = moe_gemm_reference(x.cpu().repeat_interleave(2, 0), topk_ids.cpu().reshape(-1), weights.w13.cpu(),
+                             weights.w13_bias.cpu(), ExpertsConfig())
+    assert not torch.isnan(act).any()  # every row written
+    tol = 1e-4 if DTYPE == torch.float32 else 3e-2
+    torch.testing.assert_close(act.float().cpu(), ref, rtol=tol, atol=tol)
+
+
+def test_activation_kernel_matches_reference():
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(7, 40, generator=gen).to(DEV, DTYPE)
+    for act, inter in ((Activation.SILU, False), (Activation.SWIGLU_OAI, True), (Activation.GELU_NO_MUL, False)):
+        cfg = ExpertsConfig(activation=act, gate_up_interleaved=inter)
+        tol = 1e-5 if DTYPE == torch.float32 else 2e-2
+        torch.testing.assert_close(activation(h, cfg).float(), activation_reference(h.float(), cfg), rtol=tol, atol=tol)
+
+
+def test_combine_matches_reference():
+    gen = torch.Generator().manual_seed(4)
+    y = torch.randn(12, 20, generator=gen).to(DEV, DTYPE)
+    topk_w = torch.rand(4, 3, generator=gen).to(DEV)
+    pos = torch.tensor([3, -1, 0, 5, 6, 7, 1, 2, -1, 4, 8, 9], dtype=torch.int32, device=DEV)
+    out = combine(y, topk_w, torch.empty(4, 20, device=DEV, dtype=DTYPE), pos=pos)
+    tol = 1e-5 if DTYPE == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), combine_reference(y, topk_w, pos), rtol=tol, atol=tol)
+
+
+def test_bad_inputs_raise():
+    gen = torch.Generator().manual_seed(1)
+    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=False, bias=False, gen=gen)
+    x = torch.randn(3, 32, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(3, 4, 2, gen)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_experts(x, topk_w, topk_ids[:2], weights)
+    with pytest.raises(ValueError, match="one of pos"):
+        combine(torch.zeros(6, 32, device=DEV), topk_w, torch.empty(3, 32, device=DEV))
+    with pytest.raises(ValueError, match="reduction dim"):
+        moe_gemm(x[:, :16], weights.w13, torch.empty(6, 16, device=DEV, dtype=DTYPE), topk_ids=topk_ids, top_k=2,
+                 counts=None, sorted_pair=None, experts=ExpertsConfig(), gather_a=True)
+    if CUDA:
+        return
+    with pytest.raises(ValueError, match="CUDA"):  # outside the interpreter CPU tensors are refused
+        os.environ["TRITON_INTERPRET"] = "0"
+        try:
+            fused_experts(x, topk_w, topk_ids, weights)
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+def test_choose_plan_decode_uses_pairs_and_prefill_sorts():
+    cpu = torch.device("cpu")
+    decode = choose_plan(num_tokens=1, top_k=8, num_local=128, hidden=2048, inter=768, dtype=DTYPE, device=cpu)
+    prefill = choose_plan(num_tokens=4096, top_k=8, num_local=128, hidden=2048, inter=768, dtype=DTYPE, device=cpu)
+    assert decode.path is ExpertsPath.PAIRS
+    assert prefill.path is not ExpertsPath.PAIRS
