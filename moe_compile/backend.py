@@ -1,0 +1,211 @@
+"""The ``moe_npu`` torch.compile backend.
+
+Dynamo's graph is traced to an aten-level inference graph by AOTAutograd; the MoE pass rewrites
+it there (functionalised, every spelling of an op normalised), then the inner compiler runs:
+
+- ``inductor``: the pass runs as Inductor's ``post_grad_custom_pre_pass`` (a CustomGraphPass
+  with a source-hash ``uuid``), so Inductor compiles the rewritten graph;
+- ``aot_eager`` / ``eager``: the rewritten aten graph runs as is;
+- ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
+
+Any exception inside the pass compiles the original graph instead and warns once: a compile
+that works without us works with us.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+
+import torch
+
+from moe_compile.options import BackendConfig, InnerCompiler, parse_options
+from moe_compile.report import record_graphs
+
+log = logging.getLogger("moe_compile")
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    log.warning(message, *args)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message % args, RuntimeWarning, stacklevel=2)
+
+
+def _device_type(example_inputs) -> str:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+def _input_names(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _needs_autograd(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _op_kwargs(config: BackendConfig) -> dict:
+    ep = config.ep_group.group_name if config.ep_group is not None else None
+    tp = config.tp_group.group_name if config.tp_group is not None else None
+    return dict(tp_group_name=tp, ep_group_name=ep, dispatcher_type=None, tokens_full=True,
+                reduce_results=True, lowering=config.lowering.value)
+
+
+def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
+    config = parse_options(options)
+    inner = config.resolved_inner(_device_type(example_inputs))
+    if _needs_autograd(example_inputs):
+        from moe_compile.report import BlockDecision, record
+
+        from moe_compile.passes.router import find_anchors  # noqa: F401  (reported per graph below)
+
+        record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
+                             "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
+        return _compile_plain(gm, example_inputs, inner, config)
+    try:
+        return _compile_with_pass(gm, example_inputs, inner, config)
+    except Exception as exc:  # never break a compile that works without us
+        log.debug("moe_compile: the pass failed", exc_info=True)
+        _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiling the original graph",
+                   type(exc).__name__, exc)
+        torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
+        return _compile_plain(gm, example_inputs, inner, config)
+
+
+def _make_pass(gm, example_inputs, config):
+    from moe_compile.passes.moe_pass import MoEFusionPass
+
+    return MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config))
+
+
+def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):
+    moe_pass = _make_pass(gm, example_inputs, config)
+    if inner is InnerCompiler.INDUCTOR:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+
+        def pre_pass(graph):
+            before = graph.python_code("self").src
+            moe_pass(graph)
+            record_graphs(before, graph.python_code("self").src)
+
+        hook = _InductorHook(moe_pass, pre_pass)
+        with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False):
+            return compile_fx(gm, example_inputs)
+    if inner is InnerCompiler.TORCHAIR:
+        from moe_compile.lowering.torchair import compile_with_torchair
+
+        return compile_with_torchair(gm, example_inputs, config, moe_pass)
+    return _aot(gm, example_inputs, moe_pass)
+
+
+def _aot(gm, example_inputs, moe_pass):
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    def inference(fx_g, fake_inputs):
+        before = fx_g.print_readable(print_output=False)
+        moe_pass(fx_g.graph)
+        fx_g.recompile()
+        record_graphs(before, fx_g.print_readable(print_output=False))
+        return boxed_nop(fx_g, fake_inputs)
+
+    return aot_autograd(fw_compiler=boxed_nop, inference_compiler=inference)(gm, example_inputs)
+
+
+class _InductorHook:
+    """Inductor's custom-pass slot wants ``__call__(graph)`` and ``uuid()``."""
+
+    def __init__(self, moe_pass, fn):
+        self._pass, self._fn = moe_pass, fn
+
+    def __call__(self, graph):
+        self._fn(graph)
+
+    def uuid(self):
+        return self._pass.uuid()
+
+
+def _compile_plain(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):
+    if inner is InnerCompiler.INDUCTOR:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    if inner is InnerCompiler.TORCHAIR:
+        from moe_compile.lowering.torchair import compile_with_torchair
+
+        return compile_with_torchair(gm, example_inputs, config, None)
+    if inner is InnerCompiler.EAGER:
+        return gm.forward
+    from torch._dynamo.backends.debugging import aot_eager
+
+    return aot_eager(gm, example_inputs)
+
+
+# -- Dynamo capture flags, scoped to this backend's compiles ------------------------------------
+def _is_ours(fn, depth: int = 0) -> bool:
+    if fn is None or depth > 5:
+        return False
+    if fn is moe_npu_backend:
+        return True
+    for attr in ("_torchdynamo_orig_backend", "compiler_fn", "func"):
+        inner = getattr(fn, attr, None)
+        if inner is not None and inner is not fn and _is_ours(inner, depth + 1):
+            return True
+    return False
+
+
+def _compiling_with_us() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals:
+            return _is_ours(frame.f_locals["compiler_fn"])
+        frame = frame.f_back
+    return False
+
+
+_capture_patch: list = []
+
+
+def _on_compile_start(*_args, **_kwargs) -> None:
+    """Dynamo capture of data-dependent shapes (transformers-4.x style loops over experts with
+    ``torch.where``/``nonzero``, ``.tolist()`` splits) is enabled only while Dynamo compiles a
+    frame for this backend, and restored right after: no global state leaks to other compiles."""
+    if _compiling_with_us():
+        patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+        patch.__enter__()
+        _capture_patch.append(patch)
+    else:
+        _capture_patch.append(None)
+
+
+def _on_compile_end(*_args, **_kwargs) -> None:
+    if _capture_patch:
+        patch = _capture_patch.pop()
+        if patch is not None:
+            patch.__exit__(None, None, None)
+
+
+def _install() -> None:
+    from torch._dynamo import callback_handler
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "moe_npu" not in _COMPILER_FNS:
+        register_backend(compiler_fn=moe_npu_backend, name="moe_npu")
+    with contextlib.suppress(Exception):
+        callback_handler.register_start_callback(_on_compile_start)
+        callback_handler.register_end_callback(_on_compile_end)
+    from torch._logging import _internal
+
+    with contextlib.suppress(Exception):
+        _internal.register_log("moe_compile", "moe_compile")
+        _internal._init_logs()
+
+
+_install()

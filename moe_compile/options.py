@@ -1,0 +1,111 @@
+"""The backend's options, parsed once into a frozen config (strings only at this edge)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from moe_compile.ops.config import Lowering, parse_enum
+
+
+class InnerCompiler(enum.Enum):
+    INDUCTOR = "inductor"
+    TORCHAIR = "torchair"
+    AOT_EAGER = "aot_eager"
+    EAGER = "eager"
+
+
+class TorchairMode(enum.Enum):
+    MAX_AUTOTUNE = "max-autotune"  # GE graph mode
+    REDUCE_OVERHEAD = "reduce-overhead"  # aclgraph capture (npugraph_ex)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    inner_compiler: InnerCompiler | None = None  # None: torchair when lowering to NPU, else inductor
+    lowering: Lowering = Lowering.AUTO
+    exclude_paths: tuple[str, ...] = ()
+    exclude_classes: tuple[type, ...] = ()
+    verify: bool = False
+    torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
+    ep_group: Any = field(default=None, compare=False)
+    tp_group: Any = field(default=None, compare=False)
+    dump_dir: str | None = None
+
+    def resolved_inner(self, device_type: str) -> InnerCompiler:
+        if self.inner_compiler is not None:
+            return self.inner_compiler
+        if self.lowering is Lowering.NPU or (self.lowering is Lowering.AUTO and device_type == "npu"):
+            return InnerCompiler.TORCHAIR
+        return InnerCompiler.INDUCTOR
+
+
+VALID_OPTIONS = {
+    "inner_compiler": "one of %s" % [m.value for m in InnerCompiler],
+    "lowering": "one of %s" % [m.value for m in Lowering],
+    "exclude": "a module-path glob (str), a module class, or a list of them",
+    "verify": "a bool",
+    "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
+    "ep_group": "a torch.distributed.ProcessGroup",
+    "tp_group": "a torch.distributed.ProcessGroup",
+    "dump_dir": "a folder path (str) to write before/after graphs to",
+}
+
+
+def _exclude(value) -> tuple[tuple[str, ...], tuple[type, ...]]:
+    items = value if isinstance(value, (list, tuple, set, frozenset)) else [value]
+    paths, classes = [], []
+    for item in items:
+        if isinstance(item, str):
+            paths.append(item)
+        elif isinstance(item, type):
+            classes.append(item)
+        else:
+            raise TypeError("options['exclude'] entries must be module-path globs (str) or module classes, "
+                            "but got %s %r" % (type(item).__name__, item))
+    return tuple(paths), tuple(classes)
+
+
+def _group(name: str, value):
+    if value is None:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
+        raise TypeError("options[%r] must be a torch.distributed.ProcessGroup, but got %s"
+                        % (name, type(value).__name__))
+    return value
+
+
+def parse_options(options: dict | None) -> BackendConfig:
+    if options is None:
+        return BackendConfig()
+    if isinstance(options, BackendConfig):
+        return options
+    if not isinstance(options, dict):
+        raise TypeError("moe_npu options must be a dict, but got %s" % type(options).__name__)
+    unknown = sorted(set(options) - set(VALID_OPTIONS))
+    if unknown:
+        valid = "; ".join("%s: %s" % kv for kv in VALID_OPTIONS.items())
+        raise ValueError("unknown moe_npu option(s) %s; valid options are: %s" % (unknown, valid))
+    kwargs: dict[str, Any] = {}
+    if "inner_compiler" in options:
+        kwargs["inner_compiler"] = parse_enum(InnerCompiler, options["inner_compiler"], "options['inner_compiler']")
+    if "lowering" in options:
+        kwargs["lowering"] = parse_enum(Lowering, options["lowering"], "options['lowering']")
+    if "torchair_mode" in options:
+        kwargs["torchair_mode"] = parse_enum(TorchairMode, options["torchair_mode"], "options['torchair_mode']")
+    if "exclude" in options:
+        kwargs["exclude_paths"], kwargs["exclude_classes"] = _exclude(options["exclude"])
+    if "verify" in options:
+        if not isinstance(options["verify"], bool):
+            raise TypeError("options['verify'] must be a bool, but got %r" % (options["verify"],))
+        kwargs["verify"] = options["verify"]
+    for name in ("ep_group", "tp_group"):
+        if name in options:
+            kwargs[name] = _group(name, options[name])
+    if "dump_dir" in options:
+        if not isinstance(options["dump_dir"], str):
+            raise TypeError("options['dump_dir'] must be a str, but got %r" % (options["dump_dir"],))
+        kwargs["dump_dir"] = options["dump_dir"]
+    return BackendConfig(**kwargs)

@@ -1,0 +1,296 @@
+"""Match one MoE block: router anchor -> routing config -> routed output node -> experts.
+
+Every decision is confirmed numerically on the real weights: the captured slice and the fused
+op must agree on fresh probe inputs (twice) before anything is rewritten.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from moe_compile.ops.config import ExpertsConfig, RoutingConfig, RoutingMethod
+from moe_compile.passes import experts as ex
+from moe_compile.passes import router as rt
+from moe_compile.passes.graph import (
+    CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, backward_slice, forward_slice, in_scope,
+    module_path, parent_path, val,
+)
+
+log = logging.getLogger("moe_compile")
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+MAX_OUTPUT_CANDIDATES = 16
+
+
+@dataclass
+class GraphContext:
+    graph: fx.Graph
+    values: dict  # placeholder/get_attr node -> real value
+    names: dict  # placeholder node -> Dynamo input name
+    evaluator: SliceEvaluator
+    conc: Concretizer
+    seed: int = 0
+
+
+@dataclass
+class BlockMatch:
+    anchor: rt.RouterAnchor
+    routing: RoutingConfig
+    output: fx.Node
+    experts: ex.ExpertsChoice
+    path: str
+    old_nodes: set[fx.Node] = field(default_factory=set)
+
+    def router_kind(self) -> str:
+        return describe_routing(self.routing)
+
+
+def describe_routing(cfg: RoutingConfig) -> str:
+    if cfg.scoring_after_topk:
+        text = "topk→" + cfg.method.value
+    else:
+        text = cfg.method.value + ("+bias" if cfg.has_correction_bias else "")
+        if cfg.grouped:
+            text += "→group(%d keep %d, %s)" % (cfg.group_count, cfg.k_group,
+                                                 "max" if cfg.group_select_mode == 0 else "top2-sum")
+        text += "→topk"
+    if cfg.method is RoutingMethod.SOFTMAX and cfg.renormalize and not cfg.scoring_after_topk:
+        text += "→renorm"
+    if cfg.method is RoutingMethod.SIGMOID and cfg.normalize_sigmoid:
+        text += "→norm"
+    if cfg.routed_scaling_factor != 1.0:
+        text += "→×%g" % cfg.routed_scaling_factor
+    return text
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    if a.shape != b.shape:
+        return False
+    a, b = a.float(), b.float()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return False
+    tol = TOLERANCE.get(dtype, 3e-2)
+    return bool((a - b).abs().max() <= tol * (b.abs().max() + 1e-6))
+
+
+# -- probes -----------------------------------------------------------------------------------
+def _family(x: fx.Node) -> set[fx.Node]:
+    """x and every node that is a pure view/cast of the same tensor."""
+    root = x
+    while (root.op == "call_function" and root.target in VIEW_OPS | CAST_OPS
+           and isinstance(root.args[0], fx.Node)):
+        root = root.args[0]
+    fam, todo = set(), [root]
+    while todo:
+        node = todo.pop()
+        if node in fam:
+            continue
+        fam.add(node)
+        todo.extend(u for u in node.users if u.op == "call_function" and u.target in VIEW_OPS | CAST_OPS)
+    return fam
+
+
+def probe_logits(shape, dtype, gen: torch.Generator, device) -> torch.Tensor:
+    """Distinct, exactly representable logits per row (no ties in any dtype up to E=256)."""
+    num_tokens, num_experts = shape
+    step = 2.0 ** round(math.log2(4.0 / num_experts))
+    grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
+    rows = torch.stack([grid[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)])
+    return rows.to(device=device, dtype=dtype)
+
+
+@dataclass
+class Probe:
+    overrides: dict
+    x2d: torch.Tensor
+    logits: torch.Tensor
+
+
+def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe | str:
+    x_shape, l_shape = ctx.conc.shape(anchor.x), ctx.conc.shape(anchor.logits)
+    if x_shape is None or l_shape is None:
+        return "the block's token count is not known from the example inputs"
+    if len(x_shape) != 2 or len(l_shape) != 2:
+        return "router input is not 2-D [tokens, hidden]"
+    xv, lv = val(anchor.x), val(anchor.logits)
+    gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
+    x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=xv.dtype)
+    logits = probe_logits(l_shape, lv.dtype, gen, lv.device)
+    overrides = {anchor.logits: logits}
+    for node in _family(anchor.x):
+        shape = ctx.conc.shape(node)
+        v = val(node)
+        if shape is None or not isinstance(v, torch.Tensor) or math.prod(shape) != x2d.numel():
+            continue
+        overrides[node] = x2d.reshape(shape).to(v.dtype)
+    return Probe(overrides, x2d, logits)
+
+
+def _eval(ctx: GraphContext, probe: Probe, wanted: list[fx.Node]) -> list | None:
+    stop = set(probe.overrides)
+    needed = backward_slice(wanted, stop)
+    try:
+        return ctx.evaluator.run(needed, probe.overrides, wanted)
+    except Exception:  # a slice that cannot run on probe data is simply not a match
+        log.debug("moe_compile: probe evaluation failed", exc_info=True)
+        return None
+
+
+# -- routing ----------------------------------------------------------------------------------
+def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, scope: str):
+    """The routing config whose ids and weights the captured router reproduces, or a reason."""
+    num_tokens = probe.logits.shape[0]
+    sizes = {num_tokens * anchor.top_k, num_tokens * anchor.num_experts}
+    weight_nodes = []
+    for node in forward_slice(anchor.topk):
+        v = val(node)
+        if (node.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                and in_scope(node, scope)):
+            shape = ctx.conc.shape(node)
+            if shape is not None and math.prod(shape) in sizes:
+                weight_nodes.append(node)
+    results = _eval(ctx, probe, [anchor.ids] + weight_nodes)
+    if results is None:
+        return "the router slice could not be evaluated on probe logits"
+    got_ids, weight_values = results[0], results[1:]
+    region = set(weight_nodes) | anchor.chain
+    bias = None if anchor.bias is None else ctx.evaluator.run(
+        backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1).float()
+    found = []
+    for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region)):
+        w, ids = rt.reference_routing(probe.logits, cfg, bias if cfg.has_correction_bias else None)
+        if not rt.ids_match(got_ids, ids):
+            continue
+        if any(rt.weights_match(wv, w, ids, 2e-3) for wv in weight_values
+               if isinstance(wv, torch.Tensor)):
+            found.append(cfg)
+    if found:
+        return found
+    return "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+
+
+# -- experts ----------------------------------------------------------------------------------
+def output_candidates(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str) -> list[fx.Node]:
+    x_shape = ctx.conc.shape(anchor.x)
+    out = []
+    for node in forward_slice(anchor.ids):
+        v = val(node)
+        if (node.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point()
+                and in_scope(node, scope) and v.dim() == 2 and ctx.conc.shape(node) == x_shape):
+            out.append(node)
+    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
+    out.sort(key=order.__getitem__, reverse=True)
+    return out[:MAX_OUTPUT_CANDIDATES]
+
+
+def fused_reference(x2d, logits, routing: RoutingConfig, bias, w13, w2, b13, b2, cfg: ExpertsConfig):
+    from moe_compile.ops.fused_moe import fused_moe
+
+    return fused_moe(
+        x2d, logits, routing.num_experts, routing.top_k, w13, w2, b13, b2,
+        k_group=routing.k_group, group_count=routing.group_count,
+        group_select_mode=routing.group_select_mode, routing_method=routing.method.value,
+        renormalize=routing.renormalize, routed_scaling_factor=float(routing.routed_scaling_factor),
+        e_score_correction_bias=bias if routing.has_correction_bias else None,
+        activation=cfg.activation.value, swiglu_alpha=float(cfg.swiglu_alpha),
+        swiglu_limit=float(cfg.swiglu_limit), gate_up_interleaved=cfg.gate_up_interleaved,
+        scoring_after_topk=routing.scoring_after_topk, normalize_sigmoid=routing.normalize_sigmoid,
+        apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+    )
+
+
+def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: fx.Node, bias_value):
+    """The experts reading under which the fused op reproduces ``output`` on the probe."""
+    stop = set(probe.overrides)
+    slice_nodes = backward_slice([output], stop)
+    got = _eval(ctx, probe, [output])
+    if got is None:
+        return None
+    target = got[0]
+    exclude = {n for n in (anchor.router_weight, anchor.bias) if n is not None}
+    mats, biases = ex.expert_inputs(slice_nodes, ctx.values, anchor.num_experts, ctx.names, exclude)
+    hidden = probe.x2d.shape[-1]
+    region = ex.region_of(slice_nodes)
+    dtype = target.dtype
+    for w13s, w2s in ex.weight_layouts(mats, ctx.values, hidden):
+        w13, w2 = w13s.real(ctx.values), w2s.real(ctx.values)
+        gated = w13.shape[-1] == 2 * w2.shape[-2]
+        for b13s, b2s in ex.bias_layouts(biases, ctx.values, w13.shape[-1], hidden):
+            b13 = None if b13s is None else b13s.real(ctx.values)
+            b2 = None if b2s is None else b2s.real(ctx.values)
+            for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
+                try:
+                    fused = fused_reference(probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg)
+                except (ValueError, TypeError):
+                    continue
+                if close(fused, target, dtype):
+                    return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region))
+    return None
+
+
+def _with_input_weighting(cfgs: list[ExpertsConfig], routing: RoutingConfig) -> list[ExpertsConfig]:
+    if routing.top_k != 1:
+        return cfgs
+    from dataclasses import replace
+
+    return cfgs + [replace(c, apply_router_weight_on_input=True) for c in cfgs]
+
+
+def scopes(anchor: rt.RouterAnchor) -> list[str]:
+    """Module scopes to look for the routed output in, innermost first."""
+    path = module_path(anchor.logits) or module_path(anchor.topk)
+    out = []
+    parent = parent_path(path)
+    while parent is not None and len(out) < 2:
+        out.append(parent)
+        parent = parent_path(parent)
+    return out or [""]
+
+
+def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
+    probe = make_probe(ctx, anchor, trial=0)
+    if isinstance(probe, str):
+        return probe
+    scope_list = scopes(anchor)
+    routings = identify_routing(ctx, anchor, probe, scope_list[-1])
+    if isinstance(routings, str):
+        return routings
+    bias_value = None
+    if anchor.bias is not None:
+        bias_value = ctx.evaluator.run(backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1)
+    tried = set()
+    for scope in scope_list:
+        for output in output_candidates(ctx, anchor, scope):
+            if output in tried:
+                continue
+            tried.add(output)
+            for routing in routings:
+                choice = identify_experts(ctx, anchor, routing, probe, output, bias_value)
+                if choice is None:
+                    continue
+                if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,)):
+                    continue
+                old = backward_slice([output], set(probe.overrides))
+                return BlockMatch(anchor, routing, output, choice, scope, old)
+    return "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"
+
+
+def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials) -> bool:
+    """Re-check a match on fresh probes (also what ``verify`` runs)."""
+    w13, w2 = choice.w13.real(ctx.values), choice.w2.real(ctx.values)
+    b13 = None if choice.b13 is None else choice.b13.real(ctx.values)
+    b2 = None if choice.b2 is None else choice.b2.real(ctx.values)
+    for trial in trials:
+        probe = make_probe(ctx, anchor, trial)
+        if isinstance(probe, str):
+            return False
+        got = _eval(ctx, probe, [output])
+        if got is None:
+            return False
+        fused = fused_reference(probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, choice.config)
+        if not close(fused, got[0], got[0].dtype):
+            return False
+    return True

@@ -1,0 +1,144 @@
+"""The MoE fusion pass over an aten-level inference graph.
+
+For every top-k router it finds, it identifies the routing and the experts (``match.py``),
+checks the exclusions, and rewrites the block into one ``moe_compile::fused_moe`` node
+(``rewrite.py``). Anything it cannot handle stays exactly as it was and is reported with why.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import pathlib
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from moe_compile.options import BackendConfig
+from moe_compile.passes import router as rt
+from moe_compile.passes.graph import (
+    Concretizer, SliceEvaluator, module_path, module_stack, parent_path,
+)
+from moe_compile.passes.match import GraphContext, match_block
+from moe_compile.passes.rewrite import rewrite_block
+from moe_compile.report import BlockDecision, excluded_tensor_ids, path_excluded, record
+
+log = logging.getLogger("moe_compile")
+
+try:  # Inductor's hook type; the pass is also called directly on AOT graphs
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _Base
+except ImportError:  # pragma: no cover - older torch
+    _Base = object
+
+
+@functools.lru_cache(maxsize=1)
+def source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class MoEFusionPass(_Base):
+    """``__call__(graph)`` rewrites in place; ``uuid()`` changes whenever the pass's source does."""
+
+    def __init__(self, config: BackendConfig, real_inputs: list, input_names: list[str],
+                 op_kwargs: dict):
+        self.config = config
+        self.real_inputs = real_inputs
+        self.input_names = input_names
+        self.op_kwargs = op_kwargs
+        self.rewritten = 0
+
+    def uuid(self):
+        return source_hash()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(self.real_inputs):
+            reason = ("the compiled graph's inputs (%d) do not line up with Dynamo's example inputs (%d)"
+                      % (len(placeholders), len(self.real_inputs)))
+            for topk, _ in rt.find_anchors(graph):
+                record(BlockDecision(path=_block_path(topk), reason=reason))
+            return
+        values = dict(zip(placeholders, self.real_inputs))
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                values[node] = _fetch(gm, node.target)
+        names = dict(zip(placeholders, self.input_names))
+        ctx = GraphContext(graph, values, names, SliceEvaluator(graph, placeholders, self.real_inputs, gm),
+                           Concretizer(placeholders, self.real_inputs))
+        for topk, anchor in rt.find_anchors(graph):
+            if topk.graph is not graph or topk not in _live(graph):
+                continue
+            self._one(gm, ctx, topk, anchor)
+        if self.rewritten:
+            gm.recompile()
+
+    def _one(self, gm, ctx: GraphContext, topk: fx.Node, anchor) -> None:
+        path = _block_path(topk)
+        if isinstance(anchor, str):
+            if "group-selection" not in anchor:
+                record(BlockDecision(path=path, reason=anchor))
+            return
+        reason = self._excluded(anchor, ctx, path)
+        if reason:
+            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=reason))
+            return
+        try:
+            with unset_fake_temporarily():
+                match = match_block(ctx, anchor)
+        except Exception as exc:  # a failed match must never break the user's compile
+            log.debug("moe_compile: matching %s raised", path, exc_info=True)
+            match = "the matcher raised %s: %s" % (type(exc).__name__, exc)
+        if isinstance(match, str):
+            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
+            return
+        rewrite_block(gm, match, ctx.values, self.op_kwargs)
+        self.rewritten += 1
+        record(BlockDecision(
+            path=match.path, router=match.router_kind(), experts=match.experts.form,
+            num_experts=anchor.num_experts, top_k=anchor.top_k, activation=match.experts.describe(),
+            rewritten=True,
+        ))
+
+    def _excluded(self, anchor, ctx: GraphContext, path: str) -> str:
+        if path_excluded(path, self.config.exclude_paths):
+            return "excluded by options['exclude'] (path glob)"
+        classes = {cls for node in (anchor.topk, anchor.logits) for _, cls in module_stack(node) if cls}
+        if self.config.exclude_classes and any(issubclass(c, self.config.exclude_classes) for c in classes):
+            return "excluded by options['exclude'] (module class)"
+        excluded = excluded_tensor_ids()
+        if excluded and anchor.router_weight is not None and id(ctx.values.get(anchor.router_weight)) in excluded:
+            return "excluded by moe_compile.exclude(module)"
+        return ""
+
+
+def _block_path(topk: fx.Node) -> str:
+    path = module_path(topk)
+    stack = module_stack(topk)
+    # the router is usually its own module (``mlp.gate``); the block is its parent
+    if len(stack) >= 2 and stack[-1][1] is not None and _looks_like_router(stack[-1][1]):
+        return parent_path(path) or path
+    return path
+
+
+def _looks_like_router(cls: type) -> bool:
+    name = cls.__name__.lower()
+    return any(word in name for word in ("router", "gate", "linear", "topk"))
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    return set(graph.nodes)
+
+
+def _fetch(module, target: str):
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+__all__ = ["MoEFusionPass", "source_hash", "torch"]

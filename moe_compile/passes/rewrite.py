@@ -1,0 +1,118 @@
+"""Replace a matched block's routed output by one ``moe_compile::fused_moe`` node.
+
+Weights reach the op as views of the graph inputs (a ``permute`` when the model stores them
+transposed), so nothing is copied per call. Only blocks whose gate and up projections are
+separate tensors (``ModuleList`` experts, gpt-fast's w1/w3) need one stacked copy, made once at
+compile time and held by the compiled module.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx as fx
+
+from moe_compile.passes.experts import WeightSource
+from moe_compile.passes.graph import SIDE_EFFECT_OPS, aten, backward_slice, val
+from moe_compile.passes.match import BlockMatch
+
+_counter = itertools.count()
+
+
+def _fake_mode(node: fx.Node):
+    v = val(node)
+    return getattr(v, "fake_mode", None)
+
+
+def _set_val(node: fx.Node, template: fx.Node) -> None:
+    """Give a new node its fake value by running its target on the inputs' fake values."""
+    args = fx.node.map_arg(node.args, lambda n: val(n))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: val(n))
+    fake_mode = _fake_mode(template)
+    if fake_mode is None:
+        return
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in template.meta:
+            node.meta[key] = template.meta[key]
+
+
+def _call(graph: fx.Graph, target, args, template: fx.Node, kwargs=None) -> fx.Node:
+    node = graph.call_function(target, tuple(args), kwargs or {})
+    _set_val(node, template)
+    return node
+
+
+def _constant(gm: fx.GraphModule, tensor: torch.Tensor, template: fx.Node) -> fx.Node:
+    name = "_moe_compile_w%d" % next(_counter)
+    gm.register_buffer(name, tensor.detach().contiguous(), persistent=False)
+    node = gm.graph.get_attr(name)
+    fake_mode = _fake_mode(template)
+    if fake_mode is not None:
+        node.meta["val"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
+    return node
+
+
+def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, template: fx.Node):
+    if source is None:
+        return None
+    if source.copies:
+        return _constant(gm, source.real(values), template)
+    node = source.nodes[0]
+    if not source.transpose:
+        return node
+    return _call(gm.graph, aten.permute.default, (node, [0, 2, 1]), template)
+
+
+def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict) -> fx.Node:
+    graph = gm.graph
+    out = match.output
+    anchor = match.anchor
+    routing, experts = match.routing, match.experts.config
+    with graph.inserting_before(out):
+        w13 = emit_weight(gm, match.experts.w13, values, anchor.x)
+        w2 = emit_weight(gm, match.experts.w2, values, anchor.x)
+        b13 = emit_weight(gm, match.experts.b13, values, anchor.x)
+        b2 = emit_weight(gm, match.experts.b2, values, anchor.x)
+        bias = None
+        if routing.has_correction_bias:
+            bias = anchor.bias
+            if len(val(bias).shape) != 1:
+                bias = _call(graph, aten.reshape.default, (bias, [routing.num_experts]), anchor.x)
+        kwargs = dict(
+            num_experts=routing.num_experts, top_k=routing.top_k, routing_method=routing.method.value,
+            renormalize=routing.renormalize, routed_scaling_factor=float(routing.routed_scaling_factor),
+            k_group=routing.k_group, group_count=routing.group_count,
+            group_select_mode=routing.group_select_mode, normalize_sigmoid=routing.normalize_sigmoid,
+            scoring_after_topk=routing.scoring_after_topk, activation=experts.activation.value,
+            swiglu_alpha=float(experts.swiglu_alpha), swiglu_limit=float(experts.swiglu_limit),
+            gate_up_interleaved=experts.gate_up_interleaved,
+            apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
+        )
+        fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
+                      (anchor.x, anchor.logits, w13, w2, b13, b2, bias), out, kwargs)
+        result = fused
+        if val(out).dtype != val(anchor.x).dtype:
+            result = _call(graph, torch.ops.prims.convert_element_type.default, (fused, val(out).dtype), out)
+    out.replace_all_uses_with(result)
+    _drop_old(graph, match, {anchor.x, anchor.logits})
+    return fused
+
+
+def _drop_old(graph: fx.Graph, match: BlockMatch, keep: set[fx.Node]) -> None:
+    """Erase runtime asserts that only guarded the replaced computation, then dead code."""
+    old = match.old_nodes - keep
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in SIDE_EFFECT_OPS:
+            continue
+        ancestors = backward_slice([node], keep) - keep - {node}
+        if not ancestors & old:
+            continue
+        exclusive = all(
+            n in old or n.op != "call_function" or all(u in ancestors or u is node for u in n.users)
+            for n in ancestors
+        )
+        if exclusive:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()

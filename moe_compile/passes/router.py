@@ -1,0 +1,214 @@
+"""Router recognition: find a top-k router in the graph and identify its routing configuration.
+
+Structure gives the anchors: the final ``aten.topk`` over ``[T, E]`` scores, the router logits
+(the nearest matmul upstream of it with ``E`` outputs) and the block input (that matmul's
+activation operand). The configuration (softmax/sigmoid, selection bias, groups and their mode,
+renormalisation, scaling, Llama-4 order) is then *identified by probing*: the captured router
+slice is evaluated on probe logits and compared with ``select_experts`` under candidate configs,
+ordered by what the structure suggests. This recognises every spelling of the same router
+(method vs function, in-place vs not, fp32 casts or not, decomposed softmax) alike.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+from moe_compile.ops.config import RoutingConfig, RoutingMethod
+from moe_compile.ops.routing import select_experts
+from moe_compile.passes.graph import (
+    CAST_OPS, MATMUL_OPS, VIEW_OPS, aten, is_getitem, node_inputs, val,
+)
+
+TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.expand.default}
+
+
+@dataclass
+class RouterAnchor:
+    topk: fx.Node
+    ids: fx.Node
+    values: fx.Node | None
+    logits: fx.Node
+    x: fx.Node
+    router_weight: fx.Node | None
+    num_experts: int
+    top_k: int
+    chain: set[fx.Node] = field(default_factory=set)
+    bias: fx.Node | None = None  # selection bias ([E] tensor added to the scores)
+
+
+@dataclass(frozen=True)
+class RouterHints:
+    methods: tuple[RoutingMethod, ...]
+    scoring_after_topk: bool
+    groups: tuple[tuple[int, int, int], ...]  # (group_count, k_group, mode)
+    scales: tuple[float, ...]
+    renorm_first: bool
+
+
+def strip(node: fx.Node) -> fx.Node:
+    """Follow views, transposes and casts back to the producing node."""
+    while (node.op == "call_function" and node.target in VIEW_OPS | TRANSPOSE_OPS | CAST_OPS
+           and node.args and isinstance(node.args[0], fx.Node)):
+        node = node.args[0]
+    return node
+
+
+def is_weight_root(node: fx.Node) -> bool:
+    return strip(node).op in ("placeholder", "get_attr")
+
+
+def find_anchors(graph: fx.Graph) -> list[tuple[fx.Node, RouterAnchor | str]]:
+    """Each final top-k node with its anchor, or the reason it is not a router."""
+    out = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is aten.topk.default:
+            out.append((node, _anchor(node)))
+    return out
+
+
+def _anchor(topk: fx.Node) -> RouterAnchor | str:
+    scores = topk.args[0]
+    sval = val(scores)
+    if not isinstance(sval, torch.Tensor) or sval.dim() != 2:
+        return "top-k over a non-2-D tensor (a group-selection step, not the expert choice)"
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    if dim not in (-1, 1):
+        return "top-k is not over the last dimension"
+    largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
+    if not largest:
+        return "top-k picks the smallest scores"
+    num_experts, top_k = int(sval.shape[-1]), topk.args[1]
+    if not isinstance(top_k, int):
+        return "top-k's k is symbolic"
+    ids = next((u for u in topk.users if is_getitem(u, 1)), None)
+    values = next((u for u in topk.users if is_getitem(u, 0)), None)
+    if ids is None:
+        return "top-k indices are unused"
+    logits, chain = _find_logits(scores, num_experts)
+    if logits is None:
+        return "no router matmul with %d outputs feeds the top-k" % num_experts
+    x, weight = _matmul_operands(logits)
+    if x is None:
+        return "the router matmul has no activation operand"
+    bias = _selection_bias(chain, num_experts)
+    return RouterAnchor(topk, ids, values, logits, x, weight, num_experts, top_k, chain, bias)
+
+
+def _find_logits(scores: fx.Node, num_experts: int) -> tuple[fx.Node | None, set[fx.Node]]:
+    chain: set[fx.Node] = set()
+    frontier = [scores]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            if node in chain or node.op != "call_function":
+                continue
+            chain.add(node)
+            v = val(node)
+            if node.target in MATMUL_OPS and isinstance(v, torch.Tensor) and v.shape[-1] == num_experts:
+                return node, chain
+            nxt.extend(node_inputs(node))
+        frontier = nxt
+    return None, chain
+
+
+def _matmul_operands(mm: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+    operands = [a for a in mm.args if isinstance(a, fx.Node)]
+    if mm.target is aten.addmm.default:
+        operands = operands[1:]
+    acts = [a for a in operands if not is_weight_root(a)]
+    weights = [strip(a) for a in operands if is_weight_root(a)]
+    if len(acts) != 1:
+        return None, None
+    return acts[0], (weights[0] if weights else None)
+
+
+def _selection_bias(chain: set[fx.Node], num_experts: int) -> fx.Node | None:
+    for node in chain:
+        if node.target not in (aten.add.Tensor, aten.add_.Tensor):
+            continue
+        for arg in node.args:
+            if isinstance(arg, fx.Node) and is_weight_root(arg):
+                v = val(arg)
+                if isinstance(v, torch.Tensor) and v.numel() == num_experts:
+                    return arg
+    return None
+
+
+# -- hints -------------------------------------------------------------------------------------
+def hints(anchor: RouterAnchor, region: set[fx.Node]) -> RouterHints:
+    targets = {n.target for n in anchor.chain}
+    value_targets = {n.target for n in region}
+    sigmoid_first = aten.sigmoid.default in targets or aten.sigmoid.default in value_targets
+    methods = ((RoutingMethod.SIGMOID, RoutingMethod.SOFTMAX) if sigmoid_first
+               else (RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID))
+    after = strip(anchor.topk.args[0]) is anchor.logits
+    groups = _group_hints(anchor)
+    scales = _scale_hints(region)
+    renorm_first = aten.sum.dim_IntList in value_targets or aten.sum.default in value_targets
+    return RouterHints(methods, after, groups, scales, renorm_first)
+
+
+def _group_hints(anchor: RouterAnchor) -> tuple[tuple[int, int, int], ...]:
+    found = []
+    for node in anchor.chain:
+        if node.target is aten.topk.default and node is not anchor.topk:
+            inner = val(node.args[0])
+            if isinstance(inner, torch.Tensor) and inner.dim() == 2:
+                group_count, k_group = int(inner.shape[-1]), node.args[1]
+                if anchor.num_experts % group_count == 0 and isinstance(k_group, int):
+                    found.extend([(group_count, k_group, 1), (group_count, k_group, 0)])
+    return tuple(dict.fromkeys(found))
+
+
+def _scale_hints(region: set[fx.Node]) -> tuple[float, ...]:
+    scales = [1.0]
+    for node in region:
+        if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
+            for arg in node.args[1:]:
+                if isinstance(arg, float) and math.isfinite(arg) and arg not in (0.0, 1.0):
+                    scales.append(arg if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / arg)
+    return tuple(dict.fromkeys(scales))
+
+
+def candidate_configs(anchor: RouterAnchor, h: RouterHints) -> list[RoutingConfig]:
+    base = RoutingConfig(num_experts=anchor.num_experts, top_k=anchor.top_k,
+                         has_correction_bias=anchor.bias is not None)
+    groups = list(h.groups) + [(1, 1, 0)]
+    renorms = (True, False) if h.renorm_first else (False, True)
+    out = []
+    for method, (gc, kg, mode), renorm, scale, norm_sig in itertools.product(
+            h.methods, groups, renorms, h.scales, (True, False)):
+        if method is RoutingMethod.SOFTMAX and not norm_sig:
+            continue
+        if method is RoutingMethod.SIGMOID and renorm:
+            continue
+        out.append(replace(base, method=method, group_count=gc, k_group=kg, group_select_mode=mode,
+                           renormalize=renorm, routed_scaling_factor=scale, normalize_sigmoid=norm_sig,
+                           scoring_after_topk=h.scoring_after_topk and gc == 1))
+    return out
+
+
+def ids_match(got: torch.Tensor, want: torch.Tensor) -> bool:
+    got = got.reshape(want.shape).long().sort(dim=-1).values
+    return bool(torch.equal(got, want.long().sort(dim=-1).values))
+
+
+def weights_match(got: torch.Tensor, cfg_w: torch.Tensor, cfg_ids: torch.Tensor, rtol: float) -> bool:
+    """``got`` is [T, k] (any order within a row) or a dense [T, E] scatter of the weights."""
+    num_tokens, top_k = cfg_w.shape
+    got = got.float()
+    if got.numel() == num_tokens * top_k:
+        a = got.reshape(num_tokens, top_k).sort(dim=-1).values
+        b = cfg_w.sort(dim=-1).values
+    else:
+        a = got.reshape(num_tokens, -1)
+        b = torch.zeros_like(a).scatter_(1, cfg_ids.long(), cfg_w)
+    return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * (b.abs().max().item() + 1e-6)))
+
+
+def reference_routing(logits: torch.Tensor, cfg: RoutingConfig, bias: torch.Tensor | None):
+    return select_experts(logits, cfg, bias)

@@ -1,0 +1,138 @@
+"""What the pass did: per-block decisions, counters, and the before/after graphs.
+
+Each backend compile appends to the active reports (``explain`` opens one); the counters in
+``torch._dynamo.utils.counters["moe_compile"]`` are always updated.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger("moe_compile")
+
+_ACTIVE: list["Report"] = []
+_EXCLUDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class BlockDecision:
+    path: str
+    router: str = "-"
+    experts: str = "-"
+    num_experts: int | None = None
+    top_k: int | None = None
+    activation: str = "-"
+    rewritten: bool = False
+    reason: str = ""
+
+    @property
+    def decision(self) -> str:
+        return "rewritten" if self.rewritten else "skipped: " + self.reason
+
+
+@dataclass
+class Report:
+    blocks: list[BlockDecision] = field(default_factory=list)
+    graphs_before: list[str] = field(default_factory=list)
+    graphs_after: list[str] = field(default_factory=list)
+    graph_count: int = 0
+
+    @property
+    def rewritten(self) -> list[str]:
+        return [b.path for b in self.blocks if b.rewritten]
+
+    @property
+    def skipped(self) -> list[tuple[str, str]]:
+        return [(b.path, b.reason) for b in self.blocks if not b.rewritten]
+
+    def add(self, decision: BlockDecision) -> None:
+        # one line per block: a later rewrite (e.g. a recompile) supersedes a skip
+        for i, old in enumerate(self.blocks):
+            if old.path == decision.path:
+                if decision.rewritten or not old.rewritten:
+                    self.blocks[i] = decision
+                return
+        self.blocks.append(decision)
+
+    def write_graphs(self, folder: str) -> list[str]:
+        os.makedirs(folder, exist_ok=True)
+        paths = []
+        for i, (before, after) in enumerate(zip(self.graphs_before, self.graphs_after)):
+            for tag, text in (("before", before), ("after", after)):
+                path = os.path.join(folder, "graph%d_%s.txt" % (i, tag))
+                with open(path, "w") as fh:
+                    fh.write(text)
+                paths.append(path)
+        return paths
+
+    def __str__(self) -> str:
+        header = ("path", "router", "experts", "E", "top-k", "activation", "decision")
+        rows = [header] + [
+            (b.path or "<root>", b.router, b.experts, "-" if b.num_experts is None else str(b.num_experts),
+             "-" if b.top_k is None else str(b.top_k), b.activation, b.decision)
+            for b in self.blocks
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        lines = []
+        for j, row in enumerate(rows):
+            cells = [c.ljust(w) for c, w in zip(row[:-1], widths)] + [row[-1]]
+            lines.append("  ".join(cells).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 8)
+        summary = "%d MoE block(s) rewritten, %d skipped" % (len(self.rewritten), len(self.skipped))
+        return "\n".join(lines + [summary])
+
+
+@contextlib.contextmanager
+def collecting():
+    report = Report()
+    _ACTIVE.append(report)
+    try:
+        yield report
+    finally:
+        _ACTIVE.remove(report)
+
+
+def record(decision: BlockDecision) -> None:
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    counters["rewritten" if decision.rewritten else "skipped"] += 1
+    if decision.rewritten:
+        log.info("moe_compile: rewrote %s (%s, %s, E=%s, top-k=%s, %s)", decision.path, decision.router,
+                 decision.experts, decision.num_experts, decision.top_k, decision.activation)
+    else:
+        log.info("moe_compile: left %s as it was: %s", decision.path or "<root>", decision.reason)
+    for report in _ACTIVE:
+        report.add(decision)
+
+
+def record_graphs(before: str, after: str) -> None:
+    for report in _ACTIVE:
+        report.graphs_before.append(before)
+        report.graphs_after.append(after)
+        report.graph_count += 1
+
+
+def exclude(module: torch.nn.Module) -> torch.nn.Module:
+    """Leave this module instance (and the MoE blocks inside it) out of the rewrite."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError("exclude() takes a torch.nn.Module, but got %s" % type(module).__name__)
+    _EXCLUDED.add(module)
+    return module
+
+
+def excluded_tensor_ids() -> set[int]:
+    ids = set()
+    for module in list(_EXCLUDED):
+        for t in list(module.parameters()) + list(module.buffers()):
+            ids.add(id(t))
+    return ids
+
+
+def path_excluded(path: str, globs: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(path, g) or fnmatch.fnmatchcase(path + ".", g) for g in globs)
