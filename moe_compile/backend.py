@@ -63,8 +63,6 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
     if _needs_autograd(example_inputs):
         from moe_compile.report import BlockDecision, record
 
-        from moe_compile.passes.router import find_anchors  # noqa: F401  (reported per graph below)
-
         record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
                              "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
         return _compile_plain(gm, example_inputs, inner, config)

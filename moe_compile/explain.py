@@ -7,7 +7,7 @@ import torch
 
 from moe_compile.report import BlockDecision, Report, collecting
 
-_MOE_CLASS = re.compile(r"(?i)(sparsemoe|moe|mixtureofexperts|sparsemlp)")
+_MOE_CLASS = re.compile(r"(?i)(sparsemoe|moe$|moeblock|moelayer|mixtureofexperts|sparsemlp|ffn$)")
 
 
 def moe_like_modules(model: torch.nn.Module) -> list[str]:
@@ -16,7 +16,7 @@ def moe_like_modules(model: torch.nn.Module) -> list[str]:
     for name, module in model.named_modules():
         cls = type(module).__name__
         has_experts = isinstance(getattr(module, "experts", None), torch.nn.Module)
-        if not (has_experts or _MOE_CLASS.search(cls)):
+        if not name or not (has_experts or _MOE_CLASS.search(cls)):
             continue
         if name.endswith(".experts") or cls.lower().endswith(("experts", "expert", "router", "gate")):
             continue

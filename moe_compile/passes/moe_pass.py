@@ -70,7 +70,7 @@ class MoEFusionPass(_Base):
         names = dict(zip(placeholders, self.input_names))
         ctx = GraphContext(graph, values, names, SliceEvaluator(graph, placeholders, self.real_inputs, gm),
                            Concretizer(placeholders, self.real_inputs))
-        for topk, anchor in rt.find_anchors(graph):
+        for topk, anchor in rt.find_anchors(graph, names):
             if topk.graph is not graph or topk not in _live(graph):
                 continue
             self._one(gm, ctx, topk, anchor)

@@ -57,20 +57,32 @@ def strip(node: fx.Node) -> fx.Node:
     return node
 
 
-def is_weight_root(node: fx.Node) -> bool:
-    return strip(node).op in ("placeholder", "get_attr")
+_WEIGHT_NAME = ("_parameters_", "_buffers_", "parameters.", "buffers.")
 
 
-def find_anchors(graph: fx.Graph) -> list[tuple[fx.Node, RouterAnchor | str]]:
+def is_weight_root(node: fx.Node, names: dict | None = None) -> bool:
+    """A weight is a get_attr, or a placeholder that Dynamo lifted from a module's parameters/buffers."""
+    root = strip(node)
+    if root.op == "get_attr":
+        return True
+    if root.op != "placeholder":
+        return False
+    if names is None:
+        return True
+    name = names.get(root, "")
+    return any(key in name for key in _WEIGHT_NAME)
+
+
+def find_anchors(graph: fx.Graph, names: dict | None = None) -> list[tuple[fx.Node, RouterAnchor | str]]:
     """Each final top-k node with its anchor, or the reason it is not a router."""
     out = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.topk.default:
-            out.append((node, _anchor(node)))
+            out.append((node, _anchor(node, names)))
     return out
 
 
-def _anchor(topk: fx.Node) -> RouterAnchor | str:
+def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     scores = topk.args[0]
     sval = val(scores)
     if not isinstance(sval, torch.Tensor) or sval.dim() != 2:
@@ -91,7 +103,7 @@ def _anchor(topk: fx.Node) -> RouterAnchor | str:
     logits, chain = _find_logits(scores, num_experts)
     if logits is None:
         return "no router matmul with %d outputs feeds the top-k" % num_experts
-    x, weight = _matmul_operands(logits)
+    x, weight = _matmul_operands(logits, names)
     if x is None:
         return "the router matmul has no activation operand"
     bias = _selection_bias(chain, num_experts)
@@ -115,12 +127,12 @@ def _find_logits(scores: fx.Node, num_experts: int) -> tuple[fx.Node | None, set
     return None, chain
 
 
-def _matmul_operands(mm: fx.Node) -> tuple[fx.Node | None, fx.Node | None]:
+def _matmul_operands(mm: fx.Node, names: dict | None) -> tuple[fx.Node | None, fx.Node | None]:
     operands = [a for a in mm.args if isinstance(a, fx.Node)]
     if mm.target is aten.addmm.default:
         operands = operands[1:]
-    acts = [a for a in operands if not is_weight_root(a)]
-    weights = [strip(a) for a in operands if is_weight_root(a)]
+    acts = [a for a in operands if not is_weight_root(a, names)]
+    weights = [strip(a) for a in operands if is_weight_root(a, names)]
     if len(acts) != 1:
         return None, None
     return acts[0], (weights[0] if weights else None)

@@ -1,0 +1,105 @@
+"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu}``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _first_tensor(out):
+    for attr in ("logits", "last_hidden_state"):
+        value = getattr(out, attr, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)):
+        return _first_tensor(out[0])
+    return out
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats
+
+
+def demo(args) -> int:
+    import moe_compile
+    from moe_compile.testing.zoo import build_inputs, build_model
+
+    dtype = getattr(torch, args.dtype)
+    model, inputs = build_model(args.model, dtype=dtype)
+    inputs = build_inputs(args.model, num_tokens=args.tokens, batch=args.batch)
+    print("model: tiny random %s (%s), %d tokens, inner compiler %s" % (
+        args.model, args.dtype, args.tokens * args.batch, args.inner_compiler))
+    options = {"inner_compiler": args.inner_compiler}
+    report = moe_compile.explain(model, **inputs, options=options)
+    print(report)
+    compiled = torch.compile(model, backend="moe_npu", options=options)
+    with torch.no_grad():
+        eager_out = _first_tensor(model(**inputs))
+        compiled_out = _first_tensor(compiled(**inputs))
+        diff = (compiled_out.float() - eager_out.float()).abs().max().item()
+        t_eager = _time(lambda: model(**inputs), args.repeats)
+        t_compiled = _time(lambda: compiled(**inputs), args.repeats)
+    print("max |compiled - eager| = %.3e" % diff)
+    print("eager %.2f ms, compiled %.2f ms per forward (mean of %d, after one warm-up; CPU, %d threads)" % (
+        t_eager * 1e3, t_compiled * 1e3, args.repeats, torch.get_num_threads()))
+    if args.dump_dir:
+        paths = report.write_graphs(args.dump_dir)
+        print("wrote %d graph files to %s" % (len(paths), args.dump_dir))
+    return 0 if report.rewritten else 1
+
+
+def inspect(args) -> int:
+    import moe_compile
+    from moe_compile.testing.zoo import MOE_FAMILIES, build_inputs, build_model
+
+    if args.model_type not in MOE_FAMILIES:
+        print("unknown model type %r; known: %s" % (args.model_type, ", ".join(sorted(MOE_FAMILIES))),
+              file=sys.stderr)
+        return 2
+    model, inputs = build_model(args.model_type, experts_implementation=args.experts_implementation)
+    report = moe_compile.explain(model, **inputs, options={"inner_compiler": args.inner_compiler})
+    print(report)
+    if args.dump_dir:
+        report.write_graphs(args.dump_dir)
+    return 0
+
+
+def selfcheck(args) -> int:
+    from moe_compile.tools.selfcheck import main as selfcheck_main
+
+    return selfcheck_main(["--device", args.device])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_compile")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="compile a small MoE model with backend='moe_npu' and show the rewrite")
+    p.add_argument("--model", default="mixtral")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--dump-dir", default=None)
+    p.set_defaults(fn=demo)
+    p = sub.add_parser("inspect", help="build a tiny random model of a transformers MoE type and report")
+    p.add_argument("model_type")
+    p.add_argument("--experts-implementation", default=None)
+    p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--dump-dir", default=None)
+    p.set_defaults(fn=inspect)
+    p = sub.add_parser("selfcheck", help="check the torch_npu ops the NPU lowering uses on a real NPU")
+    p.add_argument("--device", default="npu", choices=["npu"])
+    p.set_defaults(fn=selfcheck)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
