@@ -1,0 +1,2 @@
+"""Placeholder."""
+EXTRA_FAMILIES = ()
