@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.lowering.base import MoEInputs, StagedLowering
+from moe_compile.lowering.npu_activation import npu_activation
 from moe_compile.lowering.npu_comm import Comm, CommMode, all_gather, all_reduce, reduce_scatter, resolve_comm
 from moe_compile.lowering.npu_layout import LayoutCache
-from moe_compile.lowering.npu_routing import select_experts_npu
+from moe_compile.lowering.npu_routing import import_torch_npu, select_experts_npu
 from moe_compile.modular import ExpertWeights
-from moe_compile.ops.activation import apply_activation
-from moe_compile.ops.config import Activation, DispatcherType, ExpertsConfig, MoEConfig, RoutingConfig
+from moe_compile.ops.config import DispatcherType, ExpertsConfig, MoEConfig, RoutingConfig
 
 log = logging.getLogger("moe_compile")
 
@@ -92,8 +92,7 @@ class NpuLowering(StagedLowering):
     # -- dispatch (static) ----------------------------------------------------------------------
     def dispatch(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, num_experts: int, num_local: int,
                  comm: Comm) -> StaticDispatch:
-        import torch_npu
-
+        torch_npu = import_torch_npu()
         start = comm.rank * num_local if comm.mode is CommMode.EP else 0
         num_pairs = ids_TK.shape[0] * ids_TK.shape[1]
         # MindIE-SD passes active_num = T*K; -1 ("all valid rows") is the same for a symbolic T.
@@ -113,8 +112,7 @@ class NpuLowering(StagedLowering):
         return self._grouped_matmul(self.activation(h_RN, cfg), weights.w2, weights.w2_bias, group_list)
 
     def _grouped_matmul(self, x_RK, w_EKN, bias_EN, group_list):
-        import torch_npu
-
+        torch_npu = import_torch_npu()
         # w_EKN may be a transposed view of an [E, N, K] weight: the op takes it without a copy.
         bias = None if bias_EN is None else [self.layouts.gmm_bias(bias_EN, x_RK.dtype)]
         return torch_npu.npu_grouped_matmul(
@@ -123,13 +121,7 @@ class NpuLowering(StagedLowering):
         )[0]
 
     def activation(self, h_RN: torch.Tensor, cfg: ExpertsConfig) -> torch.Tensor:
-        if cfg.activation is Activation.SILU and not cfg.gate_up_interleaved:
-            import torch_npu
-
-            return torch_npu.npu_swiglu(h_RN, dim=-1)  # silu(first half) * second half
-        # No torch_npu op matches gelu-gated, gpt-oss's clamped swiglu (alpha, limit, +1, interleaved
-        # gate/up) or the non-gated forms: plain torch ops, which all convert in GE mode.
-        return apply_activation(h_RN, cfg)
+        return npu_activation(h_RN, cfg)  # npu_swiglu, or elementwise ops GE converts (npu_activation.py)
 
     # -- combine (static) -----------------------------------------------------------------------
     def combine(self, y_RH: torch.Tensor, row_idx_P: torch.Tensor, weights_TK: torch.Tensor | None,

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_compile.lowering.npu_comm import Comm, all_gather, all_to_all
+from moe_compile.lowering.npu_routing import import_torch_npu
 
 
 def split_tokens(comm: Comm, *tensors):
@@ -52,8 +53,7 @@ def _split_sizes(ids_TK: torch.Tensor, num_experts: int, num_local: int, comm: C
 
 
 def run_dynamic(lowering, prepared, weights_TK: torch.Tensor, ids_TK: torch.Tensor, inputs, cfg) -> torch.Tensor:
-    import torch_npu
-
+    torch_npu = import_torch_npu()
     comm = prepared.comm
     num_experts, num_local = cfg.routing.num_experts, inputs.weights.w13.shape[0]
     if num_local * comm.size != num_experts:

@@ -4,8 +4,11 @@ Which op runs:
 
 - softmax, no groups, no selection bias -> ``npu_moe_gating_top_k_softmax`` (MindIE-SD's choice);
 - softmax with groups or a bias, and normalised sigmoid -> ``npu_moe_gating_top_k``;
-- anything the ops cannot express -> the plain-torch reference (``ops.routing.select_experts``),
-  logged once with the reason. Those ops (softmax, sigmoid, topk, gather) all convert in GE mode.
+- anything the ops cannot express -> plain torch ops (:func:`torch_routing`), logged once with the
+  reason. It has the reference's semantics (``ops.routing.select_experts``) but selects with
+  ``torch.topk``, not the reference's stable sort: TorchAir converts ``aten.topk`` (GE TopKV2) but
+  rejects ``aten.sort.stable`` ("ge_converter is not supported"). [AMBIG] TopKV2's order among
+  exactly equal scores is undocumented; the gating ops and the reference pick the lower index.
 
 Both ops get fp32 logits: the kernels compute in fp32 anyway, the weights then come out in fp32
 like the reference's, and a fp32 ``e_score_correction_bias`` needs no rounding to bf16 to satisfy
@@ -23,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
-from moe_compile.ops.routing import select_experts as torch_select_experts
 
 log = logging.getLogger("moe_compile")
 
@@ -80,6 +82,16 @@ def _gating_op_limit(cfg: RoutingConfig) -> str:
     return ""
 
 
+def import_torch_npu():
+    """``torch_npu``, or an ImportError that says how to get it (a device, or the CPU emulation)."""
+    try:
+        import torch_npu
+    except ImportError as exc:
+        raise ImportError("lowering='npu' needs torch_npu (an Ascend NPU with CANN), or run inside "
+                          "moe_compile.testing.emulated_npu() to use the CPU emulation of its MoE ops") from exc
+    return torch_npu
+
+
 def _log_once(reason: str) -> None:
     if reason not in _logged_reasons:
         _logged_reasons.add(reason)
@@ -92,8 +104,8 @@ def select_experts_npu(logits_TE: torch.Tensor, cfg: RoutingConfig,
     plan = plan_gating(cfg, bias_E is not None)
     if plan.op is GatingOp.TORCH:
         _log_once(plan.reason)
-        return torch_select_experts(logits_TE, cfg, bias_E)
-    import torch_npu
+        return torch_routing(logits_TE, cfg, bias_E)
+    torch_npu = import_torch_npu()
 
     logits_f32 = logits_TE.float()
     if plan.op is GatingOp.TOP_K_SOFTMAX:
@@ -110,3 +122,49 @@ def select_experts_npu(logits_TE: torch.Tensor, cfg: RoutingConfig,
     if cfg.routed_scaling_factor != 1.0:
         weights_TK = weights_TK * cfg.routed_scaling_factor
     return weights_TK, ids_TK
+
+
+def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
+    return torch.softmax(logits_f32, dim=-1) if method is RoutingMethod.SOFTMAX else torch.sigmoid(logits_f32)
+
+
+def _keep_best_groups(sel_TE: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """Experts outside each token's ``k_group`` best groups become -inf (group score: max | top-2 sum)."""
+    num_tokens, num_experts = sel_TE.shape
+    sel_TGS = sel_TE.view(num_tokens, cfg.group_count, num_experts // cfg.group_count)
+    if cfg.group_select_mode == 0:
+        group_score_TG = sel_TGS.max(dim=-1).values
+    else:
+        group_score_TG = torch.topk(sel_TGS, 2, dim=-1).values.sum(dim=-1)
+    keep_TK = torch.topk(group_score_TG, cfg.k_group, dim=-1).indices
+    kept_TG = torch.zeros_like(group_score_TG).scatter(1, keep_TK, 1.0)
+    return sel_TGS.masked_fill(kept_TG.unsqueeze(-1) == 0, float("-inf")).view(num_tokens, num_experts)
+
+
+def torch_routing(logits_TE: torch.Tensor, cfg: RoutingConfig,
+                  bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing semantics of ``ops.routing.select_experts`` in ops that GE converts."""
+    logits = logits_TE.float()
+    if cfg.scoring_after_topk:
+        picked_TK, ids_TK = torch.topk(logits, cfg.top_k, dim=-1)
+        if cfg.method is RoutingMethod.SOFTMAX:
+            weights_TK = torch.softmax(picked_TK, dim=-1)
+        else:
+            weights_TK = torch.sigmoid(picked_TK)
+            if cfg.normalize_sigmoid:
+                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
+    else:
+        scores_TE = _score(logits, cfg.method)
+        sel_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
+        if cfg.grouped:
+            sel_TE = _keep_best_groups(sel_TE, cfg)
+        ids_TK = torch.topk(sel_TE, cfg.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, ids_TK)
+        if cfg.method is RoutingMethod.SOFTMAX:
+            if cfg.renormalize:
+                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+        elif cfg.normalize_sigmoid:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
+    if cfg.routed_scaling_factor != 1.0:
+        weights_TK = weights_TK * cfg.routed_scaling_factor
+    return weights_TK, ids_TK.to(torch.int32)
