@@ -44,9 +44,10 @@ def _bind(op: torch._ops.OpOverload, args, kwargs) -> dict:
 
 def _check_graphable(bound: dict) -> None:
     if bound.get("dispatcher_type") == "dynamic":
-        raise ValueError("dispatcher_type='dynamic' cannot be compiled in TorchAir GE mode: its all-to-all split "
-                         "sizes are a host sync and npu_moe_token_permute/unpermute have no GE converter; use "
-                         "dispatcher_type='static' (EP with active_expert_range) or run the op eagerly")
+        raise ValueError("dispatcher_type='dynamic' cannot go into a TorchAir graph: its all-to-all split sizes "
+                         "are a host sync (no GE graph, no aclgraph capture) and npu_moe_token_permute/unpermute "
+                         "have no GE converter; use dispatcher_type='static' (EP with active_expert_range) or run "
+                         "the op eagerly (inner_compiler='aot_eager')")
 
 
 def _decomposition(op: torch._ops.OpOverload, op_def):
@@ -67,16 +68,34 @@ def npu_decompositions() -> dict:
 def decompose_fused_moe_for_npu(gm: fx.GraphModule) -> fx.GraphModule:
     """Inline the NPU lowering for every fused-op node of ``gm`` (mutated and returned)."""
     table = npu_decompositions()
+    targets = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in table]
+    if targets:
+        _ensure_vals(gm, targets)
     count = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in table:
-            _inline(gm, node, table[node.target])
-            count += 1
+    for node in targets:
+        _inline(gm, node, table[node.target])
+        count += 1
     if count:
         gm.graph.lint()
         gm.recompile()
         log.debug("decompose_fused_moe_for_npu: inlined %d fused MoE node(s)", count)
     return gm
+
+
+def _ensure_vals(gm: fx.GraphModule, targets) -> None:
+    """Nodes a pass inserted may lack ``meta["val"]``: propagate fake values from the placeholders."""
+    inputs = {leaf for node in targets for leaf in pytree.tree_leaves((node.args, node.kwargs))
+              if isinstance(leaf, fx.Node)}
+    if all("val" in n.meta for n in inputs):
+        return
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if not all("val" in n.meta for n in placeholders):
+        return  # nothing to start from; _trace_node names the inputs without a value
+    vals = [n.meta["val"] for n in placeholders]
+    FakeTensorProp(gm, detect_fake_mode(vals)).propagate_dont_convert_inputs(*vals)
 
 
 def _trace_node(node: fx.Node, fn):

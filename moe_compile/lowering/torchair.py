@@ -7,9 +7,10 @@
 
 The fused op has no GE converter, so TorchAir gets ``custom_decompositions`` that trace each
 ``moe_compile::fused_moe`` / ``fused_experts`` node through the NPU lowering into torch_npu ops
-(``npu_decompose.py``), and in GE mode a ``post_grad_custom_pre_pass`` that inlines any fused node
-left over and then checks that every node has a GE converter, failing with the op's name instead of
-a GE error deep inside conversion. ``torch_npu`` / ``torchair`` are imported only here, on demand.
+(``npu_decompose.py``), and a ``post_grad_custom_pre_pass`` that runs the MoE pass (when given),
+inlines every fused node then present and, in GE mode, checks that every node has a GE converter,
+failing with the op's name instead of a GE error deep inside conversion. ``torch_npu`` /
+``torchair`` are imported only here, on demand.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ log = logging.getLogger("moe_compile")
 
 __all__ = [
     "TorchAirMode", "check_ge_convertible", "compile_with_torchair", "decompose_fused_moe_for_npu",
-    "make_torchair_backend", "npu_decompositions", "unconvertible_nodes",
+    "make_pre_pass", "make_torchair_backend", "npu_decompositions", "unconvertible_nodes",
 ]
 
 # Namespaces whose every op must be in our converter lists. Other aten ops are TorchAir's business
@@ -88,30 +89,54 @@ def check_ge_convertible(gm: fx.GraphModule, torch_npu_version=None, *, strict_a
                            f"Use mode='npugraph_ex' (aclgraph, no converters needed) or avoid these ops.")
 
 
-def _ge_pre_pass(torch_npu_version):
-    def run(gm, example_inputs=None, config=None):
+def _mode_of(mode_or_config) -> TorchAirMode:
+    """A mode string / TorchAirMode, or the backend's config (anything with ``.torchair_mode``)."""
+    mode = getattr(mode_or_config, "torchair_mode", mode_or_config)
+    return TorchAirMode.parse(getattr(mode, "value", mode))
+
+
+def make_pre_pass(mode, torch_npu_version, moe_pass=None):
+    """TorchAir's ``post_grad_custom_pre_pass``: MoE rewrite, then decomposition, then (GE) the check."""
+    mode = TorchAirMode.parse(mode)
+
+    def pre_pass(gm, example_inputs=None, config=None):
+        if moe_pass is not None:
+            moe_pass(gm.graph)
+            gm.recompile()
         decompose_fused_moe_for_npu(gm)
-        check_ge_convertible(gm, torch_npu_version)
+        if mode is TorchAirMode.GE:
+            check_ge_convertible(gm, torch_npu_version)
 
-    return run
+    return pre_pass
 
 
-def make_torchair_backend(torchair, mode, torch_npu_version):
-    """A TorchAir backend for ``mode`` with our decompositions (and, in GE mode, the converter check)."""
+def make_torchair_backend(torchair, mode, torch_npu_version, moe_pass=None):
+    """A TorchAir backend for ``mode``: our decompositions and a pre-pass (MoE rewrite, inline, GE check).
+
+    The fused ops present at AOT time are decomposed by ``custom_decompositions``; the ones the MoE
+    pass inserts afterwards (it runs on the post-grad graph) are inlined by the pre-pass.
+    """
     mode = TorchAirMode.parse(mode)
     config = torchair.CompilerConfig()
     config.mode = mode.value
-    if mode is TorchAirMode.GE:
-        if hasattr(config, "post_grad_custom_pre_pass"):
-            config.post_grad_custom_pre_pass = _ge_pre_pass(torch_npu_version)
-        else:
-            log.warning("torchair.CompilerConfig has no post_grad_custom_pre_pass: the GE converter check is skipped")
+    if hasattr(config, "post_grad_custom_pre_pass"):
+        config.post_grad_custom_pre_pass = make_pre_pass(mode, torch_npu_version, moe_pass)
+    elif moe_pass is not None:
+        raise RuntimeError("this torchair.CompilerConfig has no post_grad_custom_pre_pass, so the MoE pass "
+                           "cannot run before TorchAir converts the graph")
+    else:
+        log.warning("torchair.CompilerConfig has no post_grad_custom_pre_pass: the GE converter check is skipped")
     return torchair.get_npu_backend(compiler_config=config, custom_decompositions=npu_decompositions())
 
 
-def compile_with_torchair(gm: fx.GraphModule, example_inputs, mode="max-autotune"):
-    """Compile ``gm`` (a Dynamo graph, fused MoE ops inside) with TorchAir; returns the compiled callable."""
-    mode = TorchAirMode.parse(mode)
+def compile_with_torchair(gm: fx.GraphModule, example_inputs, mode="max-autotune", moe_pass=None):
+    """Compile a Dynamo graph with TorchAir; returns the compiled callable.
+
+    ``mode``: ``"max-autotune"`` (GE, default), ``"reduce-overhead"`` / ``"npugraph_ex"`` (aclgraph),
+    or the backend's config (its ``torchair_mode`` is used). ``moe_pass``: called on the post-grad
+    aten graph (``moe_pass(gm.graph)``) before the fused ops are decomposed.
+    """
+    mode = _mode_of(mode)
     from moe_compile.lowering.npu_routing import import_torch_npu
     from moe_compile.testing.emulated_npu import is_emulated_torch_npu
 
@@ -122,4 +147,4 @@ def compile_with_torchair(gm: fx.GraphModule, example_inputs, mode="max-autotune
     import torchair  # installed by torch_npu.dynamo as a lazy proxy (notes §3.1)
 
     log.info("compiling with TorchAir mode=%s (torch_npu %s)", mode.value, torch_npu.__version__)
-    return make_torchair_backend(torchair, mode, torch_npu.__version__)(gm, example_inputs)
+    return make_torchair_backend(torchair, mode, torch_npu.__version__, moe_pass)(gm, example_inputs)

@@ -203,20 +203,25 @@ def test_compile_with_torchair_needs_the_real_torch_npu():
 
 
 class _FakeTorchAir(types.SimpleNamespace):
-    """Stands in for torchair: its backend traces like AOT (with the decompositions) and runs the pre-pass."""
+    """Stands in for torchair: its backend traces like AOT (with or without our decompositions, as a
+    TorchAir that ignored them would) and then runs the post-grad pre-pass, as ``_optimize_fx`` does."""
 
     class CompilerConfig:
         def __init__(self):
             self.mode = "max-autotune"
             self.post_grad_custom_pre_pass = None
 
+    def __init__(self, apply_decompositions=True):
+        super().__init__(apply_decompositions=apply_decompositions)
+
     def get_npu_backend(self, *, compiler_config, custom_decompositions):
         self.config = compiler_config
+        table = custom_decompositions if self.apply_decompositions else None
 
         def backend(fn, example_inputs):
-            gm = make_fx(fn, decomposition_table=custom_decompositions, tracing_mode="fake")(*example_inputs)
-            if compiler_config.post_grad_custom_pre_pass is not None:
-                compiler_config.post_grad_custom_pre_pass(gm, example_inputs, compiler_config)
+            gm = make_fx(fn, decomposition_table=table, tracing_mode="fake")(*example_inputs)
+            self.traced_ops = {op_key(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            compiler_config.post_grad_custom_pre_pass(gm, example_inputs, compiler_config)
             self.graph = gm
             return gm
 
@@ -224,28 +229,59 @@ class _FakeTorchAir(types.SimpleNamespace):
 
 
 @pytest.mark.parametrize("mode", ["max-autotune", "npugraph_ex"])
-def test_backend_wiring_decomposes_and_checks_in_ge_mode(mode):
+@pytest.mark.parametrize("apply_decompositions", [True, False])
+def test_backend_wiring_decomposes_and_checks(mode, apply_decompositions):
     fn, present = _on_present(*_case("gptoss_swigluoai_bias", torch.float32))
-    torchair = _FakeTorchAir()
+    torchair = _FakeTorchAir(apply_decompositions)
+    seen = []
     with emulated_npu(poison=True):
-        compiled = make_torchair_backend(torchair, mode, "2.14.0")(fn, present)
+        compiled = make_torchair_backend(torchair, mode, "2.14.0", moe_pass=seen.append)(fn, present)
         out = compiled(*present)
-    assert torchair.config.mode == mode
-    assert (torchair.config.post_grad_custom_pre_pass is not None) == (mode == "max-autotune")
+    assert torchair.config.mode == mode and len(seen) == 1 and isinstance(seen[0], torch.fx.Graph)
+    assert ("moe_compile::fused_moe.default" in torchair.traced_ops) != apply_decompositions
     assert "npu::npu_grouped_matmul.default" in _npu_ops(torchair.graph)
+    assert unconvertible_nodes(torchair.graph) == []
     torch.testing.assert_close(out, fn(*present, lowering="cpu"), **TOL[torch.float32])
 
 
-def test_ge_pre_pass_rejects_an_unconvertible_graph():
+def test_ge_pre_pass_rejects_an_unconvertible_graph_but_aclgraph_takes_it():
     def fn(tokens, ids):
         import torch_npu
 
         return torch_npu.npu_moe_token_permute(tokens, ids)[0]
 
-    with emulated_npu(), pytest.raises(RuntimeError, match="npu_moe_token_permute"):
-        make_torchair_backend(_FakeTorchAir(), "max-autotune", "2.14.0")(
-            fn, [torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int32)])
+    args = [torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int32)]
+    with emulated_npu():
+        with pytest.raises(RuntimeError, match="npu_moe_token_permute"):
+            make_torchair_backend(_FakeTorchAir(), "max-autotune", "2.14.0")(fn, args)
+        make_torchair_backend(_FakeTorchAir(), "npugraph_ex", "2.14.0")(fn, args)
     assert "torch_npu" not in sys.modules
+
+
+def test_mode_from_the_backend_config():
+    from moe_compile.lowering.torchair import _mode_of
+    from moe_compile.options import BackendConfig, TorchairMode
+
+    assert _mode_of(BackendConfig(torchair_mode=TorchairMode.REDUCE_OVERHEAD)) is TorchAirMode.REDUCE_OVERHEAD
+    assert _mode_of(BackendConfig()) is TorchAirMode.GE and _mode_of("npugraph_ex") is TorchAirMode.NPUGRAPH_EX
+
+
+def test_inputs_a_pass_inserted_without_values_are_filled_in():
+    fn, tensors = _case("softmax_renorm", torch.float32)
+    x, logits, w13, w2 = tensors[:4]
+    hf_w13 = w13.transpose(1, 2).contiguous()  # [E, 2I, H]
+
+    def model(x, logits, hf_w13, w2):
+        return fn(x, logits, hf_w13.transpose(1, 2), w2)
+
+    gm = make_fx(model, tracing_mode="fake")(x, logits, hf_w13, w2)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "transpose" in str(node.target):
+            del node.meta["val"]  # as if a pass had inserted the view
+    with emulated_npu():
+        decompose_fused_moe_for_npu(gm)
+        out = gm(x, logits, hf_w13, w2)
+    torch.testing.assert_close(out, fn(x, logits, w13, w2, lowering="cpu"), **TOL[torch.float32])
 
 
 def test_aot_eager_compile_runs_the_npu_lowering_inside_the_op():
