@@ -1,0 +1,183 @@
+"""Distributed fused-MoE cases and their single-process reference (run inside spawned ranks).
+
+Every rank builds the same full problem from the case's seed, computes the reference with
+``fused_moe`` without groups on the full weights and tokens, then runs its share (sharded
+weights, and sharded tokens for tokens_full=False) with the case's group and dispatcher and
+compares. Tolerances: fp32 ``rtol=1e-4, atol=2e-5`` (only the summation order differs);
+bf16 ``2e-2`` (partial sums are rounded to bf16 before the reduction, as on the device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moe_compile import fused_moe
+from moe_compile.distributed import shard_experts_for_ep, shard_for_tp, shard_tokens
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    mode: str  # "tp", "ep", "both" (tp and ep groups given: EP wins), "ep_sub" (EP on size-2 subgroups)
+    dispatcher: str | None = None
+    tokens_full: bool = True
+    dtype: torch.dtype = torch.float32
+    tokens: int = 8
+    hidden: int = 16
+    inter: int = 8
+    experts: int = 8
+    top_k: int = 2
+    activation: str = "silu"
+    interleaved: bool = False
+    biases: bool = False
+    routing: dict = field(default_factory=dict, hash=False)
+    correction_bias: bool = False
+    reduce_results: bool = True
+    custom_routing: bool = False
+    transposed: bool = False  # weights as transposed views of HF-layout [E, N, H] / [E, H, I] tensors
+    batch3d: bool = False  # hidden_states [B, 2, H] instead of [T, H]
+
+
+@dataclass(frozen=True)
+class Problem:
+    x: torch.Tensor
+    logits: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2_bias: torch.Tensor | None
+    correction: torch.Tensor | None
+
+
+def softmax_topk(hidden_states, gating_output, topk, renormalize):
+    """A custom routing function (the seed's example)."""
+    weights, ids = gating_output.softmax(dim=-1).topk(topk, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def make_problem(case: Case, salt: int = 0) -> Problem:
+    gen = torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + salt)
+    e, h, i, t = case.experts, case.hidden, case.inter, case.tokens
+    n = 2 * i if not case.activation.endswith("_no_mul") else i
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(case.dtype)
+
+    x = rnd(t, h)
+    logits = torch.randn(t, e, generator=gen)
+    if case.transposed:  # HF stores [E, N, H] and [E, H, I]; the op sees transposed views
+        w13, w2 = rnd(e, n, h, scale=h ** -0.5).transpose(1, 2), rnd(e, h, i, scale=i ** -0.5).transpose(1, 2)
+    else:
+        w13, w2 = rnd(e, h, n, scale=h ** -0.5), rnd(e, i, h, scale=i ** -0.5)
+    b13 = rnd(e, n, scale=0.1) if case.biases else None
+    b2 = rnd(e, h, scale=0.1) if case.biases else None
+    corr = torch.randn(e, generator=gen) if case.correction_bias else None
+    if case.batch3d:
+        x, logits = x.view(t // 2, 2, h), logits.view(t // 2, 2, e)
+    return Problem(x, logits.to(case.dtype), w13, w2, b13, b2, corr)
+
+
+def _call(case: Case, p: Problem, x, logits, weights, **groups) -> torch.Tensor:
+    return fused_moe(
+        x, logits, case.experts, case.top_k, weights[0], weights[1], weights[2], weights[3],
+        tokens_full=case.tokens_full, reduce_results=case.reduce_results,
+        dispatcher_type=case.dispatcher if groups else None,
+        custom_routing_function=softmax_topk if case.custom_routing else None,
+        e_score_correction_bias=p.correction, activation=case.activation,
+        gate_up_interleaved=case.interleaved, **case.routing, **groups,
+    )
+
+
+def reference(case: Case, p: Problem) -> torch.Tensor:
+    """The single-process result on the full tokens and weights."""
+    single = dataclasses.replace(case, tokens_full=True, reduce_results=True)
+    return _call(single, p, p.x, p.logits, (p.w13, p.w2, p.w13_bias, p.w2_bias))
+
+
+def groups_for(case: Case, subgroup) -> tuple[dict, object]:
+    """The group keyword arguments of the case, and the group whose ranks share the work."""
+    world = dist.group.WORLD
+    if case.mode == "tp":
+        return {"tp_group": world}, world
+    if case.mode == "ep":
+        return {"ep_group": world}, world
+    if case.mode == "both":
+        return {"tp_group": world, "ep_group": world}, world
+    return {"ep_group": subgroup}, subgroup
+
+
+def run_case(case: Case, subgroup=None, subgroup_index: int = 0) -> None:
+    groups, group = groups_for(case, subgroup)
+    p = make_problem(case, salt=subgroup_index)
+    ref = reference(case, p)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    full = (p.w13, p.w2, p.w13_bias, p.w2_bias)
+    if case.mode == "tp":
+        w = shard_for_tp(*full, rank=rank, world_size=world, activation=case.activation,
+                         gate_up_interleaved=case.interleaved)
+    else:
+        w = shard_experts_for_ep(*full, rank=rank, world_size=world)
+    x, logits, expected = p.x, p.logits, ref
+    if not case.tokens_full:
+        x, logits, expected = (shard_tokens(t, rank=rank, world_size=world) for t in (p.x, p.logits, ref))
+    out = _call(case, p, x, logits, (w.w13, w.w2, w.w13_bias, w.w2_bias), **groups)
+    if not case.reduce_results and case.tokens_full:
+        assert not torch.allclose(out, expected, **TOL[case.dtype]), "reduce_results=False still reduced"
+        dist.all_reduce(out, group=group)
+    assert out.shape == expected.shape and out.dtype == expected.dtype, (out.shape, out.dtype, expected.shape)
+    torch.testing.assert_close(out, expected, **TOL[case.dtype])
+
+
+# -- the cases ------------------------------------------------------------------------------
+MODES = {"tp": ("tp", "static"), "ep_static": ("ep", "static"), "ep_dynamic": ("ep", "dynamic"),
+         "ep_batched": ("ep", "batched")}
+SIGMOID_GROUPED = dict(routing_method="sigmoid", group_count=4, k_group=2, routed_scaling_factor=2.5)
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for name, (mode, disp) in MODES.items():
+        for full in (True, False):
+            cases.append(Case(f"{name}-full{int(full)}", mode, disp, tokens_full=full,
+                              routing=dict(renormalize=True)))
+        cases.append(Case(f"{name}-bf16", mode, disp, dtype=torch.bfloat16))
+        cases.append(Case(f"{name}-bias-gelu-sharded", mode, disp, tokens_full=False, biases=True,
+                          activation="gelu"))
+        cases.append(Case(f"{name}-weight-on-input", mode, disp, top_k=1,
+                          routing=dict(apply_router_weight_on_input=True)))
+        cases.append(Case(f"{name}-sigmoid-grouped", mode, disp, correction_bias=True, tokens_full=False,
+                          routing=SIGMOID_GROUPED))
+    cases += [
+        Case("tp-no-reduce", "tp", "static", reduce_results=False),
+        Case("ep_static-no-reduce", "ep", "static", reduce_results=False),
+        Case("tp-swigluoai-interleaved-bias", "tp", None, activation="swigluoai", interleaved=True, biases=True),
+        Case("tp-relu2-nonGated-sharded", "tp", None, tokens_full=False, activation="relu2_no_mul"),
+        Case("ep_dynamic-ragged-3tokens", "ep", "dynamic", tokens=3),
+        Case("ep_batched-ragged-3tokens", "ep", "batched", tokens=3),
+        Case("ep_dynamic-1token", "ep", "dynamic", tokens=1, top_k=1),
+        Case("ep_batched-3d-sharded", "ep", "batched", tokens_full=False, batch3d=True),
+        Case("ep_dynamic-custom-routing-sharded", "ep", "dynamic", tokens_full=False, custom_routing=True,
+             routing=dict(renormalize=True)),
+        Case("ep_static-custom-routing", "ep", "static", custom_routing=True),
+        Case("ep_dynamic-transposed-views", "ep", "dynamic", transposed=True),
+        Case("tp-transposed-views-sharded", "tp", "static", tokens_full=False, transposed=True),
+        Case("ep-auto-full", "ep", None, tokens_full=True),
+        Case("ep-auto-sharded-top1", "ep", None, tokens_full=False, top_k=1),
+        Case("both-groups-ep-wins", "both", "dynamic", tokens_full=False),
+        Case("ep_dynamic-16experts-top4", "ep", "dynamic", experts=16, top_k=4, tokens=12),
+    ]
+    return cases
+
+
+CASES = _cases()
+SUB_CASES = [Case("ep_sub-dynamic", "ep_sub", "dynamic"), Case("ep_sub-static-sharded", "ep_sub", "static",
+                                                                tokens_full=False),
+             Case("ep_sub-batched", "ep_sub", "batched")]

@@ -1,0 +1,82 @@
+"""Run one function on W spawned gloo ranks and collect what each rank reports.
+
+One spawn serves many cases: the worker runs them all and returns ``{case_id: error or None}``;
+the test then asserts on every rank's report. Rendezvous goes through a fresh ``file://`` path,
+so parallel pytest-xdist workers never collide on a port. The default group's collectives time
+out after ``GROUP_TIMEOUT`` seconds, and the parent kills ranks that outlive ``deadline_s``.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _entry(target, rank: int, world_size: int, init_method: str, out_dir: str, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # W ranks share the CI machine's few cores
+    report: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=GROUP_TIMEOUT)
+        report = target(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - the parent shows the traceback
+        report = {"<worker>": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(report, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(target, world_size: int, *args, deadline_s: float = 240.0) -> list[dict]:
+    """``target(rank, world_size, *args) -> dict`` on ``world_size`` ranks; the reports by rank."""
+    ctx = mp.get_context("spawn")
+    out_dir = tempfile.mkdtemp(prefix="moe_dist_")
+    init_method = "file://" + os.path.join(out_dir, "rendezvous")
+    procs = [ctx.Process(target=_entry, args=(target, r, world_size, init_method, out_dir, args))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    reports = []
+    for rank, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()  # only the ranks this call started
+            p.join()
+        path = os.path.join(out_dir, f"rank{rank}.pkl")
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                reports.append(pickle.load(f))
+        else:
+            reports.append({"<worker>": f"rank {rank} left no report (exit code {p.exitcode})"})
+    return reports
+
+
+def failures(reports: list[dict]) -> list[str]:
+    """Every ``rank r / case: error`` line of the reports (empty when all passed)."""
+    return [f"rank {rank} / {case}: {err}" for rank, rep in enumerate(reports)
+            for case, err in rep.items() if err is not None]
+
+
+def run_cases(cases, run_one) -> dict:
+    """``{case.id: None | traceback}`` for ``run_one(case)`` over ``cases`` (one failure does not stop the rest)."""
+    out = {}
+    for case in cases:
+        try:
+            run_one(case)
+            out[case.id] = None
+        except BaseException:  # noqa: BLE001
+            out[case.id] = traceback.format_exc(limit=6)
+    return out

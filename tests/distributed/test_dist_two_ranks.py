@@ -1,0 +1,40 @@
+"""Two gloo ranks, one spawn: every mode against the single-process reference, the error cases,
+and the compiled checks (one op node per block under ``fullgraph=True``, a tiny Mixtral run
+expert-parallel). Spawning is the slow part (seconds per rank), so one worker runs everything
+and a failure lists each failing case with its rank and traceback.
+"""
+from __future__ import annotations
+
+import pytest
+
+from dist_cases import CASES, run_case
+from dist_harness import failures, run_cases, run_workers
+
+EXPECTED_BACKEND_GAP = "experts but expected num_experts / ep_size"
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from dist_compiled import compile_report
+    from dist_errors import error_report
+
+    report = run_cases(CASES, run_case)
+    report.update(compile_report(rank))
+    report.update(error_report(rank))  # last: its timeout case leaves a subgroup unusable
+    return report
+
+
+@pytest.mark.distributed
+def test_two_ranks():
+    pytest.importorskip("transformers")
+    from dist_compiled import BACKEND_CASE
+
+    reports = run_workers(_worker, 2)
+    backend = [rep.pop(BACKEND_CASE, "not run") for rep in reports]
+    bad = failures(reports)
+    assert not bad, f"{len(bad)} failing (rank, case):\n" + "\n".join(bad)
+    assert all(len(rep) >= len(CASES) + 20 for rep in reports), [sorted(rep) for rep in reports]
+    if any(b is not None for b in backend):
+        if all(b is not None and EXPECTED_BACKEND_GAP in b for b in backend):
+            pytest.xfail("backend='moe_npu' with options={'ep_group': g} does not shard the expert weights yet "
+                         "(every rank hands the op all experts); everything else passed")
+        raise AssertionError("backend='moe_npu' ep_group run failed:\n" + "\n".join(map(str, backend)))
