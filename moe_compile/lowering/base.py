@@ -59,8 +59,9 @@ class StagedLowering:
         if inputs.topk_ids is None:
             topk_weights, topk_ids = self.select_experts(logits_TE, cfg.routing, inputs.e_score_correction_bias)
         else:
-            topk_weights = inputs.topk_weights.reshape(x_TH.shape[0], -1)
-            topk_ids = inputs.topk_ids.reshape(x_TH.shape[0], -1)
+            top_k = inputs.topk_ids.shape[-1]  # not -1: a zero-token reshape cannot infer it
+            topk_weights = inputs.topk_weights.reshape(x_TH.shape[0], top_k)
+            topk_ids = inputs.topk_ids.reshape(x_TH.shape[0], top_k)
         kernel, expert_map = self.make_kernel(cfg, inputs)
         out_TH = kernel(
             x_TH, topk_weights, topk_ids, inputs.weights,

@@ -107,6 +107,14 @@ def register_experts(name: str, *, replace: bool = False, **caps) -> ExpertsInfo
     return _register(_EXPERTS, ExpertsInfo(name=name, **caps), replace)
 
 
+def unregister_prepare_finalize(name: str) -> None:
+    _PREPARE_FINALIZE.pop(name, None)
+
+
+def unregister_experts(name: str) -> None:
+    _EXPERTS.pop(name, None)
+
+
 def experts_type(name: str | None = None, **caps):
     """Class decorator: register ``cls`` built as ``cls(ctx.experts_config)`` unless a factory is given."""
     def wrap(cls):
