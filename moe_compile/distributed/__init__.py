@@ -10,6 +10,7 @@ from moe_compile.distributed.sharding import (
     ep_expert_range,
     expert_map,
     shard_experts_for_ep,
+    shard_for_groups,
     shard_for_tp,
     shard_tokens,
     tp_intermediate_slice,
@@ -17,5 +18,5 @@ from moe_compile.distributed.sharding import (
 
 __all__ = [
     "CommMode", "choose_dispatcher", "comm_mode", "ep_expert_range", "expert_map", "resolve_group",
-    "shard_experts_for_ep", "shard_for_tp", "shard_tokens", "tp_intermediate_slice",
+    "shard_experts_for_ep", "shard_for_groups", "shard_for_tp", "shard_tokens", "tp_intermediate_slice",
 ]

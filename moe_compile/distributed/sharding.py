@@ -134,3 +134,31 @@ def shard_tokens(x: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor
                          f"for tokens_full=False.")
     local = x.shape[0] // world_size
     return x.narrow(0, rank * local, local)
+
+
+def _size_and_rank(group) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard_for_groups(w13: torch.Tensor, w2: torch.Tensor, w13_bias: torch.Tensor | None = None,
+                     w2_bias: torch.Tensor | None = None, *, ep_group=None, tp_group=None,
+                     activation: str | Activation = "silu", gate_up_interleaved: bool = False,
+                     copy: bool = True) -> ExpertWeights:
+    """This rank's weights for a call with these groups, by the op's rule: EP when ``ep_group`` has
+    more than one rank, else TP when ``tp_group`` does, else the weights unchanged (no copy).
+
+    This is what a caller that rewrites a model for ``fused_moe(..., ep_group=, tp_group=)`` keeps;
+    ``e_score_correction_bias`` and the router stay global (they index all experts).
+    """
+    ep_size, ep_rank = _size_and_rank(ep_group)
+    if ep_size > 1:
+        return shard_experts_for_ep(w13, w2, w13_bias, w2_bias, rank=ep_rank, world_size=ep_size, copy=copy)
+    tp_size, tp_rank = _size_and_rank(tp_group)
+    if tp_size > 1:
+        return shard_for_tp(w13, w2, w13_bias, w2_bias, rank=tp_rank, world_size=tp_size, activation=activation,
+                            gate_up_interleaved=gate_up_interleaved, copy=copy)
+    return ExpertWeights(w13, w2, w13_bias, w2_bias)

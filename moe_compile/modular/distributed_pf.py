@@ -302,3 +302,43 @@ class BatchedAllToAllPrepareAndFinalize(_GroupPrepareAndFinalize):
             output=output, fused_expert_output=rows_ECH, topk_weights=topk_weights, topk_ids=topk_ids,
             apply_router_weight_on_input=apply_router_weight_on_input)
         return _gather_chunks(y_CH, state.chunk, self.group) if self.tokens_full else y_CH
+
+
+# -- registry entries (this module is one of registry.PLUGIN_MODULES) ---------------------------
+def _distributed_ready() -> tuple[bool, str]:
+    if not dist.is_available():
+        return False, "torch.distributed is not available in this build"
+    if not dist.is_initialized():
+        return False, "torch.distributed is not initialised (init_process_group first)"
+    return True, ""
+
+
+def _group_of(ctx, *, ep_only: bool):
+    from moe_compile.distributed.groups import resolve_group
+
+    name = ctx.ep_group_name or (None if ep_only else ctx.tp_group_name)
+    if name is None:
+        wanted = "ep_group_name" if ep_only else "ep_group_name or tp_group_name"
+        raise ValueError(f"this PrepareAndFinalize needs BuildContext.{wanted} (the group's name).")
+    return resolve_group(name)
+
+
+def _register() -> None:
+    from moe_compile.modular.registry import register_prepare_finalize
+
+    common = dict(min_world_size=2, requires=_distributed_ready)
+    register_prepare_finalize(
+        "StaticPrepareAndFinalize", activation_format=ActivationFormat.STANDARD, **common,
+        factory=lambda ctx: StaticPrepareAndFinalize(group=_group_of(ctx, ep_only=False), tokens_full=True))
+    register_prepare_finalize(
+        "AllToAllPrepareAndFinalize", activation_format=ActivationFormat.STANDARD, **common,
+        factory=lambda ctx: AllToAllPrepareAndFinalize(group=_group_of(ctx, ep_only=True), tokens_full=True,
+                                                       num_local_experts=ctx.num_local_experts))
+    register_prepare_finalize(
+        "BatchedAllToAllPrepareAndFinalize", activation_format=ActivationFormat.BATCHED, **common,
+        factory=lambda ctx: BatchedAllToAllPrepareAndFinalize(
+            group=_group_of(ctx, ep_only=True), tokens_full=True, num_local_experts=ctx.num_local_experts,
+            max_num_tokens=ctx.max_num_tokens))
+
+
+_register()

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe_compile import fused_moe
-from moe_compile.distributed import shard_experts_for_ep, shard_for_tp, shard_tokens
+from moe_compile.distributed import shard_experts_for_ep, shard_for_groups, shard_tokens
 
 TOL = {torch.float32: dict(rtol=1e-4, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -120,11 +120,11 @@ def run_case(case: Case, subgroup=None, subgroup_index: int = 0) -> None:
     ref = reference(case, p)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     full = (p.w13, p.w2, p.w13_bias, p.w2_bias)
-    if case.mode == "tp":
-        w = shard_for_tp(*full, rank=rank, world_size=world, activation=case.activation,
-                         gate_up_interleaved=case.interleaved)
-    else:
-        w = shard_experts_for_ep(*full, rank=rank, world_size=world)
+    w = shard_for_groups(*full, activation=case.activation, gate_up_interleaved=case.interleaved, **groups)
+    if case.mode == "tp":  # the TP layout from the TP function itself
+        assert w.w2.shape[1] == case.inter // world and w.w13.shape[0] == case.experts
+    else:  # EP (also when both groups are given)
+        assert w.w13.shape[0] == case.experts // world and w.w2.shape[1] == case.inter
     x, logits, expected = p.x, p.logits, ref
     if not case.tokens_full:
         x, logits, expected = (shard_tokens(t, rank=rank, world_size=world) for t in (p.x, p.logits, ref))
@@ -181,3 +181,33 @@ CASES = _cases()
 SUB_CASES = [Case("ep_sub-dynamic", "ep_sub", "dynamic"), Case("ep_sub-static-sharded", "ep_sub", "static",
                                                                 tokens_full=False),
              Case("ep_sub-batched", "ep_sub", "batched")]
+
+
+def registry_case(name: str, experts_name: str) -> None:
+    """A distributed PF built through the modular registry (``compose``) over the world group, EP:
+    the kernel's output equals the single-device kernel's on the full weights."""
+    from moe_compile.distributed import expert_map
+    from moe_compile.modular import ExpertWeights, GroupedExperts, ModularKernel, StandardPrepareAndFinalize
+    from moe_compile.modular.registry import BuildContext, compose
+    from moe_compile.ops.config import ExpertsConfig, RoutingConfig
+    from moe_compile.ops.routing import select_experts
+
+    case = Case(f"registry-{name}", "ep")
+    p = make_problem(case)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    weights, ids = select_experts(p.logits, RoutingConfig(num_experts=case.experts, top_k=case.top_k), None)
+    full = ExpertWeights(p.w13, p.w2)
+    ref = ModularKernel(StandardPrepareAndFinalize(), GroupedExperts(ExpertsConfig()))(
+        p.x, weights, ids, full, global_num_experts=case.experts)
+    local = shard_experts_for_ep(p.w13, p.w2, rank=rank, world_size=world)
+    ctx = BuildContext(num_experts=case.experts, num_local_experts=case.experts // world,
+                       ep_group_name=dist.group.WORLD.group_name)
+    emap = expert_map(case.experts, rank=rank, world_size=world) if name == "StaticPrepareAndFinalize" else None
+    out = compose(name, experts_name, ctx)(p.x, weights, ids, local, global_num_experts=case.experts,
+                                           expert_map=emap)
+    torch.testing.assert_close(out, ref, **TOL[case.dtype])
+
+
+REGISTRY_CASES = [("StaticPrepareAndFinalize", "ReferenceExperts"), ("AllToAllPrepareAndFinalize", "GroupedExperts"),
+                  ("AllToAllPrepareAndFinalize", "ReferenceExperts"),
+                  ("BatchedAllToAllPrepareAndFinalize", "BatchedExperts")]

@@ -1,13 +1,15 @@
 """Two gloo ranks, one spawn: every mode against the single-process reference, the error cases,
 and the compiled checks (one op node per block under ``fullgraph=True``, a tiny Mixtral run
-expert-parallel). Spawning is the slow part (seconds per rank), so one worker runs everything
+expert-parallel), and the distributed PFs built through the modular registry. Spawning is the slow part (seconds per rank), so one worker runs everything
 and a failure lists each failing case with its rank and traceback.
 """
 from __future__ import annotations
 
+import traceback
+
 import pytest
 
-from dist_cases import CASES, run_case
+from dist_cases import CASES, REGISTRY_CASES, registry_case, run_case
 from dist_harness import failures, run_cases, run_workers
 
 EXPECTED_BACKEND_GAP = "experts but expected num_experts / ep_size"
@@ -18,6 +20,12 @@ def _worker(rank: int, world_size: int) -> dict:
     from dist_errors import error_report
 
     report = run_cases(CASES, run_case)
+    for pf, experts in REGISTRY_CASES:
+        try:
+            registry_case(pf, experts)
+            report[f"registry-{pf}-{experts}"] = None
+        except Exception:  # noqa: BLE001
+            report[f"registry-{pf}-{experts}"] = traceback.format_exc(limit=6)
     report.update(compile_report(rank))
     report.update(error_report(rank))  # last: its timeout case leaves a subgroup unusable
     return report

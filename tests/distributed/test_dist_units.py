@@ -15,6 +15,7 @@ from moe_compile.distributed import (
     ep_expert_range,
     expert_map,
     shard_experts_for_ep,
+    shard_for_groups,
     shard_for_tp,
     shard_tokens,
 )
@@ -160,3 +161,9 @@ def test_agreement_errors_name_the_field_and_the_ranks():
     assert "num_tokens differs across ranks: [4, 3]" in errs
     assert any("rank 1 holds w13_weight.shape[0]=3 experts" in e for e in errs)
     assert _group_errors([_sig(local_experts=8), _sig(local_experts=8)], ep=False, world_size=2) == []
+
+
+def test_shard_for_groups_without_groups_keeps_the_tensors():
+    w13, w2, b13, b2 = _full()
+    s = shard_for_groups(w13, w2, b13, b2)
+    assert s.w13 is w13 and s.w2 is w2 and s.w13_bias is b13 and s.w2_bias is b2
