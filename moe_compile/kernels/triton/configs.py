@@ -1,7 +1,7 @@
 """Which path and which block sizes the CUDA experts use for a shape: tuned JSON, else a heuristic.
 
 Tuned files live beside this module in ``configs/`` and are written by ``benchmarks/tune_triton.py``:
-``E={E},H={H},I={I},dtype={dtype},device={device}.json`` maps a token count ``M`` to
+``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
 ``{"path": "pairs"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
 stages). The entry whose ``M`` is nearest on a log scale is used.
 
@@ -66,7 +66,7 @@ def dtype_key(dtype: torch.dtype) -> str:
 
 
 def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, device: str) -> str:
-    return f"E={num_experts},H={hidden},I={inter},dtype={dtype_key(dtype)},device={device}.json"
+    return f"E{num_experts}_H{hidden}_I{inter}_{dtype_key(dtype)}_{device}.json"
 
 
 @functools.lru_cache(maxsize=64)

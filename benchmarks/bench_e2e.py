@@ -1,0 +1,194 @@
+"""Whole HF models: eager vs ``torch.compile`` (inductor) vs ``torch.compile(backend="moe_npu")``.
+
+    python benchmarks/bench_e2e.py [--models mixtral qwen3 deepseek_v3] [--layers 2]
+        [--sizes prefill decode] [--modes eager inductor moe_npu] [--out benchmarks/results]
+
+Each model is its HF ``*ForCausalLM`` with the layer dimensions of the real model (hidden size,
+experts, top-k, expert intermediate size; ``--layers`` decoder layers, every one an MoE layer),
+random weights, bf16 on CUDA, ``experts_implementation="grouped_mm"``. Sizes: ``prefill`` is one
+sequence of 2048 tokens, ``decode`` is 32 sequences of one token (a forward without KV cache:
+M = 32 tokens through each MoE layer). For each mode: the compile time (first call, which
+compiles) and the median time of a steady-state forward (CUDA events; no CUDA graphs in any mode).
+The moe_npu rows also give the number of MoE blocks the pass rewrote and the logits' error
+against eager. Prints a table; writes ``e2e.json`` under ``--out``. ``--tiny`` shrinks every
+dimension (a CPU smoke run: ``--tiny --device cpu``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
+
+SIZES = {"prefill": (1, 2048), "decode": (32, 1)}
+DIMS = {  # hidden, moe intermediate, experts, top-k
+    "mixtral": (4096, 14336, 8, 2),
+    "qwen3": (2048, 768, 128, 8),
+    "deepseek_v3": (7168, 2048, 256, 8),
+}
+
+
+def make_config(name: str, layers: int, tiny: bool):
+    hidden, inter, experts, top_k = DIMS[name]
+    if tiny:
+        hidden, inter, experts = 64, 32, min(experts, 16)
+        top_k = min(top_k, 4)
+    common = dict(hidden_size=hidden, num_hidden_layers=layers, vocab_size=32000 if not tiny else 512,
+                  max_position_embeddings=4096, num_experts_per_tok=top_k)
+    if name == "mixtral":
+        from transformers import MixtralConfig
+        cfg = MixtralConfig(intermediate_size=inter, num_local_experts=experts, num_attention_heads=32 if not tiny else 4,
+                            num_key_value_heads=8 if not tiny else 2, **common)
+    elif name == "qwen3":
+        from transformers import Qwen3MoeConfig
+        cfg = Qwen3MoeConfig(moe_intermediate_size=inter, num_experts=experts, norm_topk_prob=True,
+                             num_attention_heads=32 if not tiny else 4, num_key_value_heads=4 if not tiny else 2,
+                             head_dim=128 if not tiny else 16, decoder_sparse_step=1, mlp_only_layers=[], **common)
+    else:
+        from transformers import DeepseekV3Config
+        groups = 8 if not tiny else 4
+        cfg = DeepseekV3Config(moe_intermediate_size=inter, n_routed_experts=experts, n_group=groups,
+                               topk_group=groups // 2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                               n_shared_experts=1, first_k_dense_replace=0,
+                               num_attention_heads=128 if not tiny else 4, num_key_value_heads=128 if not tiny else 4,
+                               **({} if not tiny else dict(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                                           qk_nope_head_dim=8, v_head_dim=8)), **common)
+    cfg._experts_implementation = "grouped_mm"
+    return cfg
+
+
+def build(name: str, layers: int, tiny: bool, device: str):
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(name, layers, tiny)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():  # router bias buffers start at zero; make selection non-trivial
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0.0, 0.05, generator=gen)
+    return model.eval()
+
+
+def timed(fn, reps: int, device: str) -> float:
+    """Median milliseconds of ``fn()``."""
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_model(name: str, args) -> list[dict]:
+    import moe_compile  # noqa: F401  (registers backend="moe_npu")
+
+    model = build(name, args.layers, args.tiny, args.device)
+    rows = []
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    inputs = {size: torch.randint(0, model.config.vocab_size, SIZES[size], device=args.device, generator=gen)
+              for size in args.sizes}
+    eager_logits = {}
+    for mode in args.modes:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        if mode == "eager":
+            fn = model
+        elif mode == "inductor":
+            fn = torch.compile(model)
+        else:
+            fn = torch.compile(model, backend="moe_npu")
+        for size in args.sizes:
+            ids = inputs[size]
+            with torch.no_grad():
+                sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                logits = fn(input_ids=ids, use_cache=False).logits
+                sync()
+                first_s = time.perf_counter() - t0
+                fn(input_ids=ids, use_cache=False)  # a second warm-up call
+                ms = timed(lambda: fn(input_ids=ids, use_cache=False), args.reps, args.device)
+            row = {"model": name, "size": size, "tokens": ids.numel(), "mode": mode, "ms": ms,
+                   "first_call_s": first_s}
+            if mode == "eager":
+                eager_logits[size] = logits.float()
+            elif size in eager_logits:
+                ref = eager_logits[size]
+                row["rel_err_vs_eager"] = ((logits.float() - ref).norm() / ref.norm()).item()
+            if mode == "moe_npu":
+                row["moe_blocks_rewritten"] = int(torch._dynamo.utils.counters["moe_compile"]["rewritten"])
+            rows.append(row)
+            print(format_row(row, rows), flush=True)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+HEADER = (f"{'model':<12}{'size':<9}{'tokens':>7} {'mode':<9}{'ms':>10}{'vs eager':>9}{'first call s':>13}"
+          f"{'rewritten':>10}{'err':>9}")
+
+
+def format_row(row: dict, rows: list[dict]) -> str:
+    eager = [r for r in rows if r["model"] == row["model"] and r["size"] == row["size"] and r["mode"] == "eager"]
+    speed = f"{eager[0]['ms'] / row['ms']:.2f}x" if eager else "-"
+    err = f"{row['rel_err_vs_eager']:.1e}" if "rel_err_vs_eager" in row else "-"
+    return (f"{row['model']:<12}{row['size']:<9}{row['tokens']:>7} {row['mode']:<9}{row['ms']:>10.2f}{speed:>9}"
+            f"{row['first_call_s']:>13.1f}{str(row.get('moe_blocks_rewritten', '-')):>10}{err:>9}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(DIMS), choices=list(DIMS))
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "moe_npu"],
+                        choices=["eager", "inductor", "moe_npu"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke test)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_e2e needs a CUDA device (or --device cpu --tiny)", file=sys.stderr)
+        return 2
+    if args.tiny and "prefill" in args.sizes:
+        SIZES["prefill"] = (1, 64)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(HEADER, flush=True)
+    rows = []
+    for name in args.models:
+        rows += run_model(name, args)
+        with open(out / "e2e.json", "w") as f:
+            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print("\n" + HEADER)
+    for r in rows:
+        print(format_row(r, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Tune the CUDA experts per shape: path (pairs / sorted / grouped_mm) and Triton block sizes.
+
+    python benchmarks/tune_triton.py [--shapes mixtral qwen3 deepseek_v3] [--ms 1 32 256 2048 8192]
+        [--out moe_compile/kernels/triton/configs] [--budget-s 400]
+
+For each shape and token count M it times the whole ``fused_experts`` call (CUDA graph over
+``ROTATE`` different routings, so weights come from HBM) for: the sorted path with each candidate
+GEMM1 config (GEMM2 at its default), then each GEMM2 candidate with the best GEMM1; the pairs path
+(where eligible) likewise; and the ``torch._grouped_mm`` path. The fastest plan per M goes to
+``E{E}_H{H}_I{I}_bf16_NVIDIA_H200.json`` (read by ``kernels/triton/configs.py``);
+every timing goes to ``tune_log.json`` beside it under ``--log``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from bench_moe_layer import MS, ROTATE, SHAPES, Shape, graph_time_us  # noqa: E402
+
+from moe_compile.kernels.triton.configs import (  # noqa: E402
+    CONFIG_DIR, ExpertsPath, Plan, config_file_name, default_plan, device_key, pairs_eligible,
+)
+from moe_compile.kernels.triton.experts import fused_experts  # noqa: E402
+from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
+from moe_compile.modular import ExpertWeights  # noqa: E402
+
+G = GemmConfig
+# group_m >= the number of M-blocks runs all M-blocks of one N-block together, so an expert whose rows
+# span two blocks reads each weight tile from HBM once (L2 serves the second block)
+ALL_M = 1024
+SMALL = [G(16, 32, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4), G(16, 64, 256, 1, 4, 3), G(16, 128, 128, 1, 4, 4),
+         G(16, 32, 256, 1, 4, 4), G(16, 64, 64, 1, 4, 5)]
+MID = [G(64, 64, 64, ALL_M, 4, 4), G(64, 128, 64, ALL_M, 4, 4), G(128, 64, 64, ALL_M, 4, 4),
+       G(128, 128, 64, ALL_M, 8, 3), G(64, 64, 128, ALL_M, 4, 3), G(64, 128, 64, 1, 4, 4), G(32, 128, 64, ALL_M, 4, 4)]
+LARGE1 = [G(128, 128, 64, 8, 8, 3), G(128, 128, 64, 8, 8, 4), G(128, 128, 64, 16, 8, 3), G(128, 64, 64, 8, 8, 3),
+          G(64, 128, 64, 8, 4, 4), G(128, 128, 64, ALL_M, 8, 3)]
+LARGE2 = [G(128, 256, 64, 8, 8, 3), G(128, 256, 64, 8, 8, 4), G(128, 256, 64, 16, 8, 3), G(128, 128, 64, 8, 8, 3),
+          G(128, 128, 64, 8, 4, 4), G(128, 256, 64, ALL_M, 8, 3)]
+
+
+def candidates(per_expert: float, gemm: int) -> list[GemmConfig]:
+    if per_expert <= 8:
+        return SMALL
+    if per_expert <= 96:
+        return MID
+    return LARGE1 if gemm == 1 else LARGE2
+
+
+def problem(shape: Shape, m: int, weights: ExpertWeights):
+    from moe_compile.kernels.triton.routing import route
+    from moe_compile.ops.config import RoutingConfig, RoutingMethod
+
+    r = shape.routing
+    cfg = RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
+                        renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
+                        k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
+                        group_select_mode=r.get("group_select_mode", 0))
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    calls = []
+    for _ in range(ROTATE):
+        x = torch.randn(m, shape.hidden, device="cuda", generator=gen).bfloat16()
+        logits = torch.randn(m, shape.num_experts, device="cuda", generator=gen)
+        bias = torch.randn(shape.num_experts, device="cuda", generator=gen) * 0.05
+        w, ids = route(logits, cfg, bias if shape.name == "deepseek_v3" else None)
+        calls.append((x, w, ids))
+    return calls
+
+
+def time_plan(plan: Plan, calls, weights: ExpertWeights, reps: int) -> float:
+    def fn(call):
+        x, w, ids = call
+        return fused_experts(x, w, ids, weights, plan=plan)
+    try:
+        return graph_time_us(fn, calls, reps)
+    except Exception as exc:  # a config that does not compile or fit (shared memory) is skipped
+        print(f"    {plan.path.value} {plan.gemm1} {plan.gemm2}: failed: {type(exc).__name__}: {str(exc)[:120]}")
+        return float("inf")
+
+
+def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: list) -> Plan:
+    calls = problem(shape, m, weights)
+    pairs = m * shape.top_k
+    per_expert = pairs / shape.num_experts
+    base = default_plan(m, shape.top_k, shape.num_experts, shape.hidden, shape.inter)
+    paths = [ExpertsPath.SORTED] + ([ExpertsPath.PAIRS] if pairs_eligible(pairs, shape.num_experts) else [])
+    best = (float("inf"), base)
+    for path in paths:
+        g2 = base.gemm2 if base.path is path else candidates(per_expert, 2)[0]
+        plan = Plan(path, candidates(per_expert, 1)[0], g2)
+        t1 = {}
+        for g1 in candidates(per_expert, 1):
+            t1[g1] = time_plan(replace(plan, gemm1=g1), calls, weights, reps)
+            log.append({"shape": shape.name, "M": m, "path": path.value, "gemm1": asdict(g1), "gemm2": asdict(g2),
+                        "us": t1[g1]})
+        plan = replace(plan, gemm1=min(t1, key=t1.get))
+        for g2 in candidates(per_expert, 2):
+            us = time_plan(replace(plan, gemm2=g2), calls, weights, reps)
+            log.append({"shape": shape.name, "M": m, "path": path.value, "gemm1": asdict(plan.gemm1),
+                        "gemm2": asdict(g2), "us": us})
+            if us < best[0]:
+                best = (us, replace(plan, gemm2=g2))
+    grouped = Plan(ExpertsPath.GROUPED_MM, best[1].gemm1, best[1].gemm2)
+    us = time_plan(grouped, calls, weights, reps)
+    log.append({"shape": shape.name, "M": m, "path": "grouped_mm", "us": us})
+    if us < best[0]:
+        best = (us, grouped)
+    print(f"  {shape.name} M={m}: best {best[1].path.value} {best[0]:.1f} us "
+          f"(grouped_mm {us:.1f} us) g1={best[1].gemm1} g2={best[1].gemm2}", flush=True)
+    return best
+
+
+def hf_layout_weights(shape: Shape) -> ExpertWeights:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i = shape.num_experts, shape.hidden, shape.inter
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.bfloat16) * h ** -0.5).transpose(1, 2)
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.bfloat16) * i ** -0.5).transpose(1, 2)
+    return ExpertWeights(w13, w2)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
+    parser.add_argument("--out", default=str(CONFIG_DIR))
+    parser.add_argument("--log", default=None, help="where to write every timing (JSON)")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log: list = []
+    for name in args.shapes:
+        shape = SHAPES[name]
+        weights = hf_layout_weights(shape)
+        path = out / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
+                                      device_key(torch.device("cuda")))
+        table = json.loads(path.read_text()) if path.exists() else {}
+        for m in args.ms:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"  budget spent: {name} M={m} not tuned", flush=True)
+                continue
+            us, plan = tune_point(shape, m, weights, args.reps, log)
+            table[str(m)] = dict(plan.to_dict(), us=round(us, 1))
+        table["_note"] = f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, torch {torch.__version__}"
+        path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: (kv[0].startswith("_"), int(kv[0]) if kv[0].isdigit() else 0))), indent=1))
+        print("wrote", path, flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    if args.log:
+        Path(args.log).write_text(json.dumps(log, indent=0))
+    print(f"tuning took {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
