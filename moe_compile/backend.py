@@ -190,15 +190,38 @@ def _on_compile_end(*_args, **_kwargs) -> None:
             patch.__exit__(None, None, None)
 
 
-def _install() -> None:
+def _register_callbacks() -> None:
     from torch._dynamo import callback_handler
+
+    if _on_compile_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_on_compile_start)
+        callback_handler.register_end_callback(_on_compile_end)
+
+
+def _keep_callbacks_across_reset() -> None:
+    """``torch._dynamo.reset()`` clears every compile callback; put ours back right after."""
+    from torch._dynamo import callback_handler
+
+    clear = callback_handler.clear
+    if getattr(clear, "_moe_compile", False):
+        return
+
+    def clear_and_reregister() -> None:
+        clear()
+        _register_callbacks()
+
+    clear_and_reregister._moe_compile = True
+    callback_handler.clear = clear_and_reregister
+
+
+def _install() -> None:
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
     if "moe_npu" not in _COMPILER_FNS:
         register_backend(compiler_fn=moe_npu_backend, name="moe_npu")
     with contextlib.suppress(Exception):
-        callback_handler.register_start_callback(_on_compile_start)
-        callback_handler.register_end_callback(_on_compile_end)
+        _register_callbacks()
+        _keep_callbacks_across_reset()
     from torch._logging import _internal
 
     with contextlib.suppress(Exception):

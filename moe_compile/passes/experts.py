@@ -19,7 +19,7 @@ import torch.fx as fx
 from moe_compile.ops.config import Activation, ExpertsConfig
 from moe_compile.passes.graph import aten, val
 
-_INDEXED_NAME = re.compile(r"^(.*?)[._](?:modules_)?(\d+)[._](.*)$")
+_INDEXED_NAME = re.compile(r"^(.*)[._](\d+)[._](.*)$")
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ class MoEFusionPass(_Base):
         if isinstance(match, str):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
             return
-        rewrite_block(gm, match, ctx.values, self.op_kwargs)
+        with unset_fake_temporarily():
+            rewrite_block(gm, match, ctx.values, self.op_kwargs)
         self.rewritten += 1
         record(BlockDecision(
             path=match.path, router=match.router_kind(), experts=match.experts.form,
