@@ -138,7 +138,7 @@ class NpuLowering(StagedLowering):
         safe_P = torch.where(valid_P, row_idx_P, torch.zeros_like(row_idx_P)).long()
         rows_PH = torch.index_select(y_RH, 0, safe_P).float()
         rows_PH = torch.where(valid_P.unsqueeze(-1), rows_PH, torch.zeros_like(rows_PH))
-        rows_TKH = rows_PH.view(num_tokens, top_k, -1)
+        rows_TKH = rows_PH.view(num_tokens, top_k, y_RH.shape[-1])
         if weights_TK is not None:
             rows_TKH = rows_TKH * weights_TK.float().unsqueeze(-1)
         return rows_TKH.sum(dim=1).to(y_RH.dtype)

@@ -203,3 +203,13 @@ def test_poison_catches_the_abs_row_idx_trap():
     with emulated_npu(poison=False):
         quiet = _ep_partials(x, ids, weights, w13, w2, ep_size=2, combine=mindie_combine)
     assert not torch.isnan(quiet[1]).any()  # without poison the trap stays invisible
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(routing_method="sigmoid", group_count=2, k_group=1),
+                                    dict(scoring_after_topk=True)])
+def test_zero_tokens(kwargs):
+    w13, w2, _, _ = _weights(8, 16, 8, torch.float32)
+    x, logits = torch.randn(0, 16), torch.randn(0, 8)
+    with emulated_npu(poison=True):
+        out = fused_moe(x, logits, 8, 2, w13, w2, lowering="npu", **kwargs)
+    assert out.shape == (0, 16)
