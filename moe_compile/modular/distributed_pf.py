@@ -169,7 +169,9 @@ class AllToAllPrepareAndFinalize(_GroupPrepareAndFinalize):
         top_k = ids_CK.shape[1]
         ids_P = ids_CK.reshape(-1).long()
         order_P = torch.sort(ids_P, stable=True).indices
-        send_counts_E = torch.bincount(ids_P, minlength=num_experts)
+        # scatter_add, not bincount: bincount sizes its output from the data (a second host sync)
+        send_counts_E = torch.zeros(num_experts, dtype=torch.long, device=ids_P.device)
+        send_counts_E.scatter_add_(0, ids_P, torch.ones_like(ids_P))
         recv_counts_WL = all_to_all_rows(send_counts_E.view(self.world_size, self.num_local_experts), self.group)
         # the one host sync of this dispatcher: all_to_all_single takes split sizes as Python ints
         splits = torch.stack([send_counts_E.view(self.world_size, -1).sum(1), recv_counts_WL.sum(1)]).tolist()

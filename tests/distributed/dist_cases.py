@@ -211,3 +211,53 @@ def registry_case(name: str, experts_name: str) -> None:
 REGISTRY_CASES = [("StaticPrepareAndFinalize", "ReferenceExperts"), ("AllToAllPrepareAndFinalize", "GroupedExperts"),
                   ("AllToAllPrepareAndFinalize", "ReferenceExperts"),
                   ("BatchedAllToAllPrepareAndFinalize", "BatchedExperts")]
+
+
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "bincount")
+
+
+def host_syncs(case: Case) -> list[str]:
+    """The host-syncing calls one EP call of ``case`` makes after routing (agreement check off):
+    data-dependent aten ops seen by a dispatch mode, and ``Tensor.tolist`` (which bypasses it).
+    The staged lowering runs directly so the mode sees inside the op."""
+    import os
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from moe_compile.lowering.base import MoEInputs, StagedLowering
+    from moe_compile.modular import ExpertWeights
+    from moe_compile.ops.config import DispatcherType, MoEConfig, ParallelConfig, RoutingConfig
+    from moe_compile.ops.routing import select_experts
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in SYNC_OPS or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+                seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def tolist(t, _orig=torch.Tensor.tolist):
+        seen.append("tolist")
+        return _orig(t)
+
+    p = make_problem(case)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = shard_experts_for_ep(p.w13, p.w2, rank=rank, world_size=world)
+    x, logits = (p.x, p.logits) if case.tokens_full else (shard_tokens(t, rank=rank, world_size=world)
+                                                          for t in (p.x, p.logits))
+    cfg = MoEConfig(routing=RoutingConfig(num_experts=case.experts, top_k=case.top_k),
+                    parallel=ParallelConfig(ep_group_name=dist.group.WORLD.group_name, tokens_full=case.tokens_full,
+                                            dispatcher_type=DispatcherType(case.dispatcher)))
+    weights, ids = select_experts(logits, cfg.routing, None)
+    inputs = MoEInputs(x, None, ExpertWeights(w.w13, w.w2), topk_weights=weights, topk_ids=ids)
+    os.environ["MOE_COMPILE_DIST_CHECKS"] = "0"
+    torch.Tensor.tolist = tolist
+    try:
+        with Watch():
+            StagedLowering().run(inputs, cfg)
+    finally:
+        torch.Tensor.tolist = tolist.__defaults__[0]
+        os.environ.pop("MOE_COMPILE_DIST_CHECKS")
+    return seen

@@ -1,6 +1,6 @@
 """Two gloo ranks, one spawn: every mode against the single-process reference, the error cases,
 and the compiled checks (one op node per block under ``fullgraph=True``, a tiny Mixtral run
-expert-parallel), and the distributed PFs built through the modular registry. Spawning is the slow part (seconds per rank), so one worker runs everything
+expert-parallel), the distributed PFs built through the modular registry, and which modes wait for the host. Spawning is the slow part (seconds per rank), so one worker runs everything
 and a failure lists each failing case with its rank and traceback.
 """
 from __future__ import annotations
@@ -9,9 +9,13 @@ import traceback
 
 import pytest
 
-from dist_cases import CASES, REGISTRY_CASES, registry_case, run_case
+from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_case, run_case
 from dist_harness import failures, run_cases, run_workers
 
+# batched and static never wait for the host (graph-capturable); dynamic waits once, for its splits
+SYNC_CASES = [(Case("batched", "ep", "batched"), []), (Case("batched-sharded", "ep", "batched", tokens_full=False), []),
+              (Case("static", "ep", "static"), []), (Case("static-sharded", "ep", "static", tokens_full=False), []),
+              (Case("dynamic", "ep", "dynamic"), ["tolist"])]
 EXPECTED_BACKEND_GAP = "experts but expected num_experts / ep_size"
 
 
@@ -26,6 +30,12 @@ def _worker(rank: int, world_size: int) -> dict:
             report[f"registry-{pf}-{experts}"] = None
         except Exception:  # noqa: BLE001
             report[f"registry-{pf}-{experts}"] = traceback.format_exc(limit=6)
+    for case, expected in SYNC_CASES:
+        try:
+            seen = host_syncs(case)
+            report[f"host-syncs-{case.id}"] = None if seen == expected else f"host syncs {seen}, expected {expected}"
+        except Exception:  # noqa: BLE001
+            report[f"host-syncs-{case.id}"] = traceback.format_exc(limit=6)
     report.update(compile_report(rank))
     report.update(error_report(rank))  # last: its timeout case leaves a subgroup unusable
     return report
