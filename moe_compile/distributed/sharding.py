@@ -3,8 +3,10 @@
 All functions take the *op layout*: ``w13 [E, H, N]`` (``N = 2I`` gated as ``[gate | up]``, or
 interleaved gate/up columns, or ``I`` non-gated), ``w2 [E, I, H]``, ``w13_bias [E, N]``,
 ``w2_bias [E, H]``. Transposed views of HF weights are fine. By default the shards are copies
-(laid out in the input's stride order), so dropping the full tensors frees their memory;
-``copy=False`` returns views that keep the full storage alive.
+laid out in the input's stride order (a shard of ``gate_up_proj.transpose(1, 2)`` is again the
+transpose of a contiguous ``[E/W, 2I, H]`` tensor), so dropping the full tensors frees their
+memory; ``copy=False`` returns views of the full storage where the shard is one slice (EP, and TP
+of non-gated or interleaved ``w13``), and still copies TP's two-slice gated ``w13``.
 
 - EP: rank ``r`` of ``W`` owns experts ``[r E/W, (r+1) E/W)`` -- the contiguous ranges the
   static, dynamic and batched dispatchers assume.
