@@ -214,10 +214,22 @@ def _keep_callbacks_across_reset() -> None:
     callback_handler.clear = clear_and_reregister
 
 
+def _has_entry_point() -> bool:
+    from importlib.metadata import entry_points
+
+    try:
+        return any(e.name == "moe_npu" and e.value.startswith("moe_compile.")
+                   for e in entry_points(group="torch_dynamo_backends"))
+    except Exception:  # broken metadata: fall back to registering by hand
+        return False
+
+
 def _install() -> None:
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    if "moe_npu" not in _COMPILER_FNS:
+    # With the package installed, torch registers the entry point itself on first lookup (and
+    # would refuse a second registration); from a source tree without metadata we register.
+    if "moe_npu" not in _COMPILER_FNS and not _has_entry_point():
         register_backend(compiler_fn=moe_npu_backend, name="moe_npu")
     with contextlib.suppress(Exception):
         _register_callbacks()

@@ -43,6 +43,7 @@ class BlockMatch:
     experts: ex.ExpertsChoice
     path: str
     old_nodes: set[fx.Node] = field(default_factory=set)
+    bias_value: torch.Tensor | None = None
 
     def router_kind(self) -> str:
         return describe_routing(self.routing)
@@ -274,7 +275,7 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
                 if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,)):
                     continue
                 old = backward_slice([output], set(probe.overrides))
-                return BlockMatch(anchor, routing, output, choice, scope, old)
+                return BlockMatch(anchor, routing, output, choice, scope, old, bias_value)
     return "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"
 
 

@@ -20,6 +20,7 @@ from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
     Concretizer, SliceEvaluator, module_path, module_stack, parent_path,
 )
+from moe_compile.passes import match as match_mod
 from moe_compile.passes.match import GraphContext, match_block
 from moe_compile.passes.rewrite import rewrite_block
 from moe_compile.report import BlockDecision, excluded_tensor_ids, path_excluded, record
@@ -93,6 +94,12 @@ class MoEFusionPass(_Base):
         except Exception as exc:  # a failed match must never break the user's compile
             log.debug("moe_compile: matching %s raised", path, exc_info=True)
             match = "the matcher raised %s: %s" % (type(exc).__name__, exc)
+        if not isinstance(match, str) and self.config.verify:
+            with unset_fake_temporarily():
+                ok = match_mod.confirm(ctx, anchor, match.routing, match.output, match.experts,
+                                       match.bias_value, trials=(2, 3, 4))
+            if not ok:
+                match = "verify: the rewrite disagreed with the original subgraph on fresh random inputs"
         if isinstance(match, str):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
             return

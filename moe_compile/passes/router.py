@@ -20,7 +20,7 @@ import torch.fx as fx
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts
 from moe_compile.passes.graph import (
-    CAST_OPS, MATMUL_OPS, VIEW_OPS, aten, is_getitem, node_inputs, val,
+    CAST_OPS, MATMUL_OPS, VIEW_OPS, aten, backward_slice, is_getitem, node_inputs, val,
 )
 
 TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.expand.default}
@@ -100,9 +100,10 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     values = next((u for u in topk.users if is_getitem(u, 0)), None)
     if ids is None:
         return "top-k indices are unused"
-    logits, chain = _find_logits(scores, num_experts)
+    logits, _ = _find_logits(scores, num_experts)
     if logits is None:
         return "no router matmul with %d outputs feeds the top-k" % num_experts
+    chain = {n for n in backward_slice([scores], {logits}) if n.op == "call_function"}
     x, weight = _matmul_operands(logits, names)
     if x is None:
         return "the router matmul has no activation operand"

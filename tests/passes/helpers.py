@@ -1,0 +1,45 @@
+"""Shared checks for the pass tests: compile with moe_npu, compare with eager, count graphs."""
+from __future__ import annotations
+
+import torch
+
+import moe_compile
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def first_tensor(out):
+    for attr in ("logits", "last_hidden_state"):
+        value = getattr(out, attr, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)):
+        return first_tensor(out[0])
+    return out
+
+
+def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / (b.abs().max() + 1e-6)).item()
+
+
+def explain_and_compare(model, kwargs, options=None):
+    """(report, max |compiled - eager| relative to max |eager|)."""
+    options = {"inner_compiler": "aot_eager", "verify": True, **(options or {})}
+    with torch.no_grad():
+        ref = first_tensor(model(**kwargs))
+    report = moe_compile.explain(model, **kwargs, options=options)
+    return report, max_rel_diff(first_tensor(report.output), ref)
+
+
+class GraphCounter:
+    """A backend that counts the graphs Dynamo hands it and runs them with aot_eager."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs += 1
+        return aot_eager(gm, example_inputs)

@@ -1,0 +1,104 @@
+"""The backend: registration by name, options parsing, fallbacks, training graphs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moe_compile
+from moe_compile.options import InnerCompiler, parse_options
+from moe_compile.ops.config import Lowering
+from moe_compile.testing.zoo_blocks import build_block_model
+
+from .helpers import first_tensor
+
+
+def test_backend_reachable_by_name_without_importing_moe_compile():
+    code = ("import torch, importlib.metadata as m\n"
+            "assert 'moe_npu' in [e.name for e in m.entry_points(group='torch_dynamo_backends')]\n"
+            "f = torch.compile(lambda x: x * 2, backend='moe_npu', options={'inner_compiler': 'eager'})\n"
+            "print(float(f(torch.ones(2)).sum()))\n")
+    env = dict(os.environ, TORCHDYNAMO_VERBOSE="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("4.0")
+
+
+def test_registered_on_import():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from moe_compile.backend import moe_npu_backend
+
+    assert "moe_npu" in torch._dynamo.list_backends(exclude_tags=())
+    assert lookup_backend("moe_npu") is moe_npu_backend
+
+
+def test_options_parse_once_into_frozen_config():
+    cfg = parse_options({"inner_compiler": "aot_eager", "lowering": "npu", "exclude": ["a.*", torch.nn.Linear],
+                         "verify": True})
+    assert cfg.inner_compiler is InnerCompiler.AOT_EAGER and cfg.lowering is Lowering.NPU
+    assert cfg.exclude_paths == ("a.*",) and cfg.exclude_classes == (torch.nn.Linear,)
+    with pytest.raises(Exception):
+        cfg.verify = False  # frozen
+    assert parse_options(None).resolved_inner("cpu") is InnerCompiler.INDUCTOR
+    assert parse_options({"lowering": "npu"}).resolved_inner("cpu") is InnerCompiler.TORCHAIR
+
+
+@pytest.mark.parametrize("options,exc,words", [
+    ({"inner": "eager"}, ValueError, ["unknown", "inner", "inner_compiler", "lowering", "exclude", "verify"]),
+    ({"inner_compiler": "tvm"}, ValueError, ["inner_compiler", "tvm", "inductor", "aot_eager"]),
+    ({"lowering": "tpu"}, ValueError, ["lowering", "tpu", "cuda", "npu"]),
+    ({"verify": 1}, TypeError, ["verify", "bool"]),
+    ({"exclude": [3]}, TypeError, ["exclude", "int"]),
+    ({"ep_group": "g"}, TypeError, ["ep_group", "ProcessGroup"]),
+    ("fast", TypeError, ["dict", "str"]),
+])
+def test_bad_options_raise_and_list_the_valid_ones(options, exc, words):
+    with pytest.raises(exc) as info:
+        parse_options(options)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_options_surface_through_torch_compile():
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_npu", options={"inner_compiler": "nope"})
+    with pytest.raises(Exception, match="inner_compiler"):
+        compiled(**kwargs)
+
+
+def test_exception_inside_the_pass_compiles_the_original_and_warns(monkeypatch):
+    from moe_compile.passes import moe_pass
+
+    def boom(self, graph):
+        raise RuntimeError("synthetic failure")
+
+    monkeypatch.setattr(moe_pass.MoEFusionPass, "__call__", boom)
+    monkeypatch.setattr("moe_compile.backend._warned", set())
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        ref = model(**kwargs)
+        with pytest.warns(RuntimeWarning, match="synthetic failure"):
+            out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})(**kwargs)
+    assert torch.equal(out, ref)
+    assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 1
+
+
+def test_training_graph_is_left_alone_with_a_reason():
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    kwargs = {k: v.requires_grad_(True) for k, v in kwargs.items()}
+    torch._dynamo.reset()
+    from moe_compile.report import collecting
+
+    with collecting() as report:
+        out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})(**kwargs)
+    out.sum().backward()
+    assert not report.rewritten
+    assert any("autograd" in reason for _, reason in report.skipped)
+    assert first_tensor(out).shape == kwargs["hidden_states"].shape

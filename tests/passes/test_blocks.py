@@ -1,0 +1,52 @@
+"""The pass on hand-written MoE blocks: transformers-4.x loops, gpt-fast, torchtitan, DeepSeek-like."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compile.testing.zoo_blocks import BLOCK_STYLES, build_block_model
+
+from .helpers import TOL, explain_and_compare
+
+CASES = [(name, dtype) for name, spec in BLOCK_STYLES.items() for dtype in spec.compile_dtypes[:1]]
+
+
+@pytest.mark.parametrize("style,dtype", CASES, ids=["%s-%s" % (n, str(d)[6:]) for n, d in CASES])
+def test_block_style(style, dtype):
+    spec = BLOCK_STYLES[style]
+    model, kwargs = build_block_model(style, dtype=dtype, num_layers=2)
+    report, diff = explain_and_compare(model, kwargs)
+    assert diff <= TOL[dtype], (diff, str(report))
+    if spec.expressible:
+        assert len(report.rewritten) == 2, str(report)
+    else:
+        assert not report.rewritten and report.skipped, str(report)
+
+
+def test_near_miss_expert_output_normalised_is_not_rewritten():
+    """A block whose experts' outputs are each normalised before weighting is not a plain MoE:
+    the pass must leave it alone (nothing in the graph equals a fused-MoE output)."""
+
+    class NormedExpertsMoE(torch.nn.Module):
+        def __init__(self, hidden=32, inter=16, num_experts=4, top_k=2):
+            super().__init__()
+            self.gate = torch.nn.Linear(hidden, num_experts, bias=False)
+            self.w13 = torch.nn.Parameter(torch.randn(num_experts, hidden, 2 * inter) * 0.1)
+            self.w2 = torch.nn.Parameter(torch.randn(num_experts, inter, hidden) * 0.1)
+            self.top_k = top_k
+
+        def forward(self, x_TD):
+            probs_TE = torch.softmax(self.gate(x_TD), dim=-1)
+            weights_TK, ids_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+            h_TKF = torch.einsum("td,tkdf->tkf", x_TD, self.w13[ids_TK])
+            gate, up = h_TKF.chunk(2, dim=-1)
+            y_TKD = torch.einsum("tkf,tkfd->tkd", torch.nn.functional.silu(gate) * up, self.w2[ids_TK])
+            y_TKD = torch.nn.functional.normalize(y_TKD, dim=-1)  # not expressible by the op
+            return (y_TKD * weights_TK.unsqueeze(-1)).sum(dim=1)
+
+    torch.manual_seed(0)
+    model = NormedExpertsMoE().eval()
+    report, diff = explain_and_compare(model, {"x_TD": torch.randn(6, 32)})
+    assert diff <= 1e-5
+    assert not report.rewritten
+    assert report.skipped and "equals" in report.skipped[0][1]

@@ -1,0 +1,112 @@
+"""Inspect and opt out: the report, graphs on disk, counters, logging, exclusions, verify."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import moe_compile
+from moe_compile.testing import zoo
+from moe_compile.testing.zoo_blocks import build_block_model
+
+from .helpers import explain_and_compare
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return zoo.build_model("mixtral")
+
+
+def test_report_table_and_graphs(mixtral, tmp_path):
+    model, kwargs = mixtral
+    report, diff = explain_and_compare(model, kwargs)
+    assert diff <= 1e-4
+    assert report.rewritten == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    table = str(report)
+    for word in ("path", "router", "experts", "E", "top-k", "activation", "decision",
+                 "softmax→topk→renorm", "grouped_mm", "silu", "rewritten"):
+        assert word in table
+    paths = report.write_graphs(str(tmp_path))
+    assert paths and all(p.endswith(".txt") for p in paths)
+    after = open([p for p in paths if p.endswith("after.txt")][0]).read()
+    before = open([p for p in paths if p.endswith("before.txt")][0]).read()
+    assert "moe_compile.fused_moe" in after and "moe_compile.fused_moe" not in before
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_counters_and_logging_artifact(mixtral):
+    model, kwargs = mixtral
+    torch._dynamo.utils.counters.clear()
+    logger = logging.getLogger("moe_compile")  # torch's logging owns it: no propagation to root
+    handler, old_level = _Collect(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager"})
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 2
+    assert any("rewrote model.layers.0.mlp" in m for m in handler.messages)
+    from torch._logging._internal import log_registry
+
+    assert "moe_compile" in log_registry.log_alias_to_log_qnames
+
+
+@pytest.mark.parametrize("exclude,skipped", [
+    (["model.layers.1.*"], ["model.layers.1.mlp"]),
+    (["model.layers.*"], ["model.layers.0.mlp", "model.layers.1.mlp"]),
+])
+def test_exclude_by_path_glob(mixtral, exclude, skipped):
+    model, kwargs = mixtral
+    report, diff = explain_and_compare(model, kwargs, {"exclude": exclude})
+    assert diff <= 1e-4
+    assert [p for p, r in report.skipped if "excluded" in r] == skipped
+    assert len(report.rewritten) == 2 - len(skipped)
+
+
+def test_exclude_by_class(mixtral):
+    model, kwargs = mixtral
+    block_cls = type(model.model.layers[0].mlp)
+    report, _ = explain_and_compare(model, kwargs, {"exclude": block_cls})
+    assert not report.rewritten
+    assert all("excluded" in r for _, r in report.skipped)
+
+
+def test_exclude_instance():
+    model, kwargs = zoo.build_model("mixtral")
+    moe_compile.exclude(model.model.layers[0].mlp)
+    report, diff = explain_and_compare(model, kwargs)
+    assert diff <= 1e-4
+    assert report.rewritten == ["model.layers.1.mlp"]
+    assert report.skipped == [("model.layers.0.mlp", "excluded by moe_compile.exclude(module)")]
+    with pytest.raises(TypeError, match="nn.Module"):
+        moe_compile.exclude("model.layers.0")
+
+
+def test_verify_rejects_a_wrong_rewrite(monkeypatch):
+    """If a match stops agreeing with the original on fresh probes, verify leaves the block alone."""
+    from moe_compile.passes import match as match_mod
+
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    real_confirm = match_mod.confirm
+    calls = []
+
+    def flaky(ctx, anchor, routing, output, choice, bias_value, trials):
+        calls.append(trials)
+        return real_confirm(ctx, anchor, routing, output, choice, bias_value, trials) if len(calls) == 1 else False
+
+    monkeypatch.setattr(match_mod, "confirm", flaky)
+    report, diff = explain_and_compare(model, kwargs, {"verify": True})
+    assert diff <= 1e-4
+    assert not report.rewritten
+    assert any("verif" in reason for _, reason in report.skipped)
