@@ -51,8 +51,9 @@ def _needs_autograd(example_inputs) -> bool:
 
 
 def _op_kwargs(config: BackendConfig) -> dict:
-    ep = config.ep_group.group_name if config.ep_group is not None else None
-    tp = config.tp_group.group_name if config.tp_group is not None else None
+    from moe_compile.ops.fused_moe import _group_name
+
+    ep, tp = _group_name(config.ep_group), _group_name(config.tp_group)
     return dict(tp_group_name=tp, ep_group_name=ep, dispatcher_type=None, tokens_full=True,
                 reduce_results=True, lowering=config.lowering.value)
 

@@ -104,13 +104,19 @@ class MoEFusionPass(_Base):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
             return
         with unset_fake_temporarily():
-            rewrite_block(gm, match, ctx.values, self.op_kwargs)
+            rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups())
         self.rewritten += 1
         record(BlockDecision(
             path=match.path, router=match.router_kind(), experts=match.experts.form,
             num_experts=anchor.num_experts, top_k=anchor.top_k, activation=match.experts.describe(),
             rewritten=True,
         ))
+
+    def _groups(self) -> dict:
+        groups = {k: getattr(self.config, k) for k in ("ep_group", "tp_group") if getattr(self.config, k) is not None}
+        import torch.distributed as dist
+
+        return {k: g for k, g in groups.items() if dist.get_world_size(g) > 1}
 
     def _excluded(self, anchor, ctx: GraphContext, path: str) -> str:
         if path_excluded(path, self.config.exclude_paths):

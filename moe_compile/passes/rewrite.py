@@ -46,7 +46,7 @@ def _call(graph: fx.Graph, target, args, template: fx.Node, kwargs=None) -> fx.N
 
 def _constant(gm: fx.GraphModule, tensor: torch.Tensor, template: fx.Node) -> fx.Node:
     name = "_moe_compile_w%d" % next(_counter)
-    gm.register_buffer(name, tensor.detach().contiguous(), persistent=False)
+    gm.register_buffer(name, tensor.detach(), persistent=False)
     node = gm.graph.get_attr(name)
     fake_mode = _fake_mode(template)
     if fake_mode is not None:
@@ -65,16 +65,34 @@ def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, t
     return _call(gm.graph, aten.permute.default, (node, [0, 2, 1]), template)
 
 
-def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict) -> fx.Node:
+def _sharded_weights(gm, match: BlockMatch, values: dict, groups: dict, template: fx.Node):
+    """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice),
+    held by the compiled module; the router and the selection bias stay global."""
+    from moe_compile.distributed import shard_for_groups
+
+    choice = match.experts
+    real = [None if s is None else s.real(values) for s in (choice.w13, choice.w2, choice.b13, choice.b2)]
+    shard = shard_for_groups(*real, ep_group=groups.get("ep_group"), tp_group=groups.get("tp_group"),
+                             activation=choice.config.activation.value,
+                             gate_up_interleaved=choice.config.gate_up_interleaved)
+    return [None if t is None else _constant(gm, t, template)
+            for t in (shard.w13, shard.w2, shard.w13_bias, shard.w2_bias)]
+
+
+def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict,
+                  groups: dict | None = None) -> fx.Node:
     graph = gm.graph
     out = match.output
     anchor = match.anchor
     routing, experts = match.routing, match.experts.config
     with graph.inserting_before(out):
-        w13 = emit_weight(gm, match.experts.w13, values, anchor.x)
-        w2 = emit_weight(gm, match.experts.w2, values, anchor.x)
-        b13 = emit_weight(gm, match.experts.b13, values, anchor.x)
-        b2 = emit_weight(gm, match.experts.b2, values, anchor.x)
+        if groups:
+            w13, w2, b13, b2 = _sharded_weights(gm, match, values, groups, anchor.x)
+        else:
+            w13 = emit_weight(gm, match.experts.w13, values, anchor.x)
+            w2 = emit_weight(gm, match.experts.w2, values, anchor.x)
+            b13 = emit_weight(gm, match.experts.b13, values, anchor.x)
+            b2 = emit_weight(gm, match.experts.b2, values, anchor.x)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias

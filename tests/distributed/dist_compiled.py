@@ -134,9 +134,12 @@ def _mixtral_backend() -> None:
     with torch.no_grad():
         ref = model(ids).logits
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         compiled = torch.compile(model, backend="moe_npu",
                                  options={"ep_group": dist.group.WORLD, "inner_compiler": "aot_eager"})
         torch.testing.assert_close(compiled(ids).logits, ref, **TOL)
+        rewritten = torch._dynamo.utils.counters["moe_compile"]["rewritten"]
+        assert rewritten == len(model.model.layers), "rewrote %d MoE blocks" % rewritten
 
 
 def compile_report(rank: int) -> dict:
