@@ -112,10 +112,11 @@ def _route_kernel(
             w_tk = tl.where(kmask & tmask[:, None], w_tk, neg_inf)
             top = tl.where(tmask, tl.max(w_tk, axis=1), 0.0)
             num_k = tl.where(kmask, tl.exp(w_tk - top[:, None]), 0.0)
-            w_tk = num_k / tl.sum(num_k, axis=1)[:, None]
+            w_tk = num_k / tl.where(tmask, tl.sum(num_k, axis=1), 1.0)[:, None]
     elif RENORM:
         w_tk = tl.where(kmask, w_tk, 0.0)
-        w_tk = w_tk / (tl.sum(w_tk, axis=1)[:, None] + eps)
+        denom = tl.where(tmask, tl.sum(w_tk, axis=1) + eps, 1.0)  # padded tokens: no 0/0
+        w_tk = w_tk / denom[:, None]
     w_tk = w_tk * scaling
     out_off = t1[:, None].to(tl.int64) * TOP_K + kcol
     omask = tmask[:, None] & kmask
