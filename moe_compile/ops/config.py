@@ -49,16 +49,29 @@ class Lowering(enum.Enum):
     NPU = "npu"
 
 
+# value -> member for each Enum, built eagerly: Dynamo in torch 2.11 (Python 3.12) cannot iterate an
+# Enum class while tracing fused_moe, but it reads a dict of constants fine.
+_MEMBERS: dict[type, dict[str, enum.Enum]] = {}
+
+
+def _members(enum_cls: type[enum.Enum]) -> dict[str, enum.Enum]:
+    if enum_cls not in _MEMBERS:
+        _MEMBERS[enum_cls] = {member.value: member for member in enum_cls}
+    return _MEMBERS[enum_cls]
+
+
 def parse_enum(enum_cls: type[enum.Enum], value, name: str):
     """Turn a user string (or an enum member) into ``enum_cls``; a clear ValueError otherwise."""
     if isinstance(value, enum_cls):
         return value
-    valid = [m.value for m in enum_cls]
-    if isinstance(value, str):
-        for member in enum_cls:
-            if member.value == value:
-                return member
-    raise ValueError(f"{name} must be one of {valid}, but got {value!r}.")
+    members = _members(enum_cls)
+    if isinstance(value, str) and value in members:
+        return members[value]
+    raise ValueError(f"{name} must be one of {list(members)}, but got {value!r}.")
+
+
+for _enum in (RoutingMethod, Activation, DispatcherType, Lowering):
+    _members(_enum)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,19 @@ def fused_moe(
     lowering="auto",
 ) -> torch.Tensor:
     """Routed-experts forward of one MoE layer; returns a tensor shaped like ``hidden_states``."""
-    args = dict(locals())
+    # spelled out rather than dict(locals()): Dynamo in torch 2.11 cannot trace locals()
+    args = dict(
+        hidden_states=hidden_states, router_logits=router_logits, num_experts=num_experts, top_k=top_k,
+        w13_weight=w13_weight, w2_weight=w2_weight, w13_bias=w13_bias, w2_bias=w2_bias, tp_group=tp_group,
+        ep_group=ep_group, dispatcher_type=dispatcher_type, tokens_full=tokens_full, k_group=k_group,
+        group_count=group_count, group_select_mode=group_select_mode, routing_method=routing_method,
+        renormalize=renormalize, routed_scaling_factor=routed_scaling_factor,
+        custom_routing_function=custom_routing_function, reduce_results=reduce_results, use_fused_op=use_fused_op,
+        e_score_correction_bias=e_score_correction_bias, activation=activation, swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit, gate_up_interleaved=gate_up_interleaved, scoring_after_topk=scoring_after_topk,
+        normalize_sigmoid=normalize_sigmoid, apply_router_weight_on_input=apply_router_weight_on_input,
+        lowering=lowering,
+    )
     validate_scalars(args)
     validate_tensors(args)
     if use_fused_op:

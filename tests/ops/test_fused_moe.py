@@ -245,3 +245,23 @@ def test_reference_is_not_trivially_equal():
     a = reference_fused_moe(**tensors, top_k=2)
     b = reference_fused_moe(**tensors, top_k=2, renormalize=True)
     assert (a - b).abs().max() > 1e-3
+
+
+def test_signature_is_the_seeds():
+    """Seed 003's public parameters: same names, order and defaults; extensions keyword-only after."""
+    import inspect
+
+    seed = [("hidden_states", None), ("router_logits", None), ("num_experts", None), ("top_k", None),
+            ("w13_weight", None), ("w2_weight", None), ("w13_bias", None), ("w2_bias", None), ("tp_group", None),
+            ("ep_group", None), ("dispatcher_type", None), ("tokens_full", True), ("k_group", 1),
+            ("group_count", 1), ("group_select_mode", 0), ("routing_method", "softmax"), ("renormalize", False),
+            ("routed_scaling_factor", 1.0), ("custom_routing_function", None), ("reduce_results", True),
+            ("use_fused_op", False)]
+    params = list(inspect.signature(fused_moe).parameters.values())
+    positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == [name for name, _ in seed]
+    for p, (_, default) in zip(positional[6:], seed[6:]):
+        assert p.default == default and type(p.default) is type(default), p
+    for p in positional[:6]:  # hidden_states .. w2_weight are required
+        assert p.default is inspect.Parameter.empty
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(seed):])
