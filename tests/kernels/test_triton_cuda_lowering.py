@@ -10,15 +10,33 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
+# Without CUDA the kernels run under Triton's interpreter: triton.jit reads TRITON_INTERPRET when the
+# kernel modules are imported (below); the variable is restored afterwards so that other tests in this
+# process still see the CUDA lowering fall back on CPU tensors, and re-set around each test here.
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+import moe_compile.kernels.triton.experts  # noqa: E402,F401  (decorate the kernels now, interpreted on CPU)
+import moe_compile.kernels.triton.routing  # noqa: E402,F401
 import moe_compile.ops.custom_op  # noqa: E402,F401  (registers torch.ops.moe_compile.*)
 from moe_compile.lowering import MoEInputs, StagedLowering  # noqa: E402
 from moe_compile.lowering.cuda import FALLBACKS, CudaLowering  # noqa: E402
 from moe_compile.modular import ExpertWeights  # noqa: E402
 from moe_compile.ops.custom_op import make_config  # noqa: E402
+
+if _PREV_INTERPRET is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+
+@pytest.fixture(autouse=True)
+def _interpret_on_cpu(monkeypatch):
+    if not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
