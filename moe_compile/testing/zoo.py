@@ -41,6 +41,23 @@ def get_family(name: str) -> FamilySpec:
     return MOE_FAMILIES[name]
 
 
+def is_available(model_type: str) -> tuple[bool, str]:
+    """Whether the installed transformers has the family's classes, and why not.
+
+    The zoo targets transformers 5.24; older installs (the GPU machine has 5.17) lack a few
+    families (bailing_hybrid, flint, lara_mini, kolibri1, beam in 5.17).
+    """
+    spec = get_family(model_type)
+    try:
+        import transformers
+    except ImportError:
+        return False, "transformers is not installed"
+    missing = [name for name in (spec.config_class, spec.model_class) if not hasattr(transformers, name)]
+    if missing:
+        return False, "transformers %s has no %s" % (transformers.__version__, ", ".join(missing))
+    return True, ""
+
+
 def _parse_impl(spec: FamilySpec, experts_implementation) -> ExpertsImpl | None:
     if experts_implementation is None:
         return None
@@ -155,6 +172,9 @@ def build_model(
     impl = _parse_impl(spec, experts_implementation)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, but got {dtype!r}.")
+    available, why = is_available(model_type)
+    if not available:
+        raise RuntimeError(f"cannot build {model_type!r}: {why}")
     config = build_config(model_type, num_layers=num_layers)
     model_cls = getattr(transformers, spec.model_class)
     model = model_cls._from_config(config, dtype=dtype)
