@@ -113,9 +113,12 @@ class GroupedExperts(PermuteExpertsUnpermute):
             scale_S = scale_S * weight_S
         valid_S = slots.valid[order].unsqueeze(-1)
         y_SK = torch.where(valid_S, y_SK.float(), 0.0) * scale_S.unsqueeze(-1)
-        acc_MK = torch.zeros(num_tokens, y_SK.shape[1], dtype=torch.float32, device=y_SK.device)
-        acc_MK.index_add_(0, token_of_row, y_SK)
-        output.copy_(acc_MK)
+        # unpermute with a gather and sum each token's top-k rows: deterministic, no atomics, and
+        # far cheaper on CPU than index_add_ (whose parallel scatter dominated small calls)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y_PK = y_SK.index_select(0, inverse)
+        output.copy_(y_PK.view(num_tokens, topk, -1).sum(dim=1))
 
 
 class BatchedExperts(PermuteExpertsUnpermute):

@@ -188,19 +188,21 @@ def output_candidates(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str) ->
 
 
 def fused_reference(x2d, logits, routing: RoutingConfig, bias, w13, w2, b13, b2, cfg: ExpertsConfig):
-    from moe_compile.ops.fused_moe import fused_moe
+    """The fused op's plain-torch staged path on probe data (no validation, no op dispatch)."""
+    from moe_compile.lowering.base import MoEInputs, StagedLowering
+    from moe_compile.modular import ExpertWeights
+    from moe_compile.ops.config import MoEConfig
 
-    return fused_moe(
-        x2d, logits, routing.num_experts, routing.top_k, w13, w2, b13, b2,
-        k_group=routing.k_group, group_count=routing.group_count,
-        group_select_mode=routing.group_select_mode, routing_method=routing.method.value,
-        renormalize=routing.renormalize, routed_scaling_factor=float(routing.routed_scaling_factor),
-        e_score_correction_bias=bias if routing.has_correction_bias else None,
-        activation=cfg.activation.value, swiglu_alpha=float(cfg.swiglu_alpha),
-        swiglu_limit=float(cfg.swiglu_limit), gate_up_interleaved=cfg.gate_up_interleaved,
-        scoring_after_topk=routing.scoring_after_topk, normalize_sigmoid=routing.normalize_sigmoid,
-        apply_router_weight_on_input=cfg.apply_router_weight_on_input,
-    )
+    weights = ExpertWeights(w13, w2, b13, b2)
+    inputs = MoEInputs(x2d, logits, weights, bias if routing.has_correction_bias else None)
+    return StagedLowering().run(inputs, MoEConfig(routing=routing, experts=cfg))
+
+
+def _cached_fused(ctx: GraphContext, key: tuple, compute):
+    cache = ctx.__dict__.setdefault("fused_cache", {})
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: fx.Node, bias_value):
@@ -223,9 +225,11 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
             b13 = None if b13s is None else b13s.real(ctx.values)
             b2 = None if b2s is None else b2s.real(ctx.values)
             for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
+                key = (id(probe), routing, w13s, w2s, b13s, b2s, cfg)
                 try:
-                    fused = fused_reference(probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg)
-                except (ValueError, TypeError):
+                    fused = _cached_fused(ctx, key, lambda: fused_reference(
+                        probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg))
+                except (ValueError, TypeError, RuntimeError):
                     continue
                 if close(fused, target, dtype):
                     return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region))
