@@ -58,8 +58,12 @@ def _op_kwargs(config: BackendConfig) -> dict:
                 reduce_results=True, lowering=config.lowering.value)
 
 
-def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
+def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode=None):
+    """``torch.compile(model, backend="moe_npu", options={...}, mode=...)``; ``mode`` is passed on
+    to Inductor (e.g. ``"reduce-overhead"`` for CUDA graphs) and to TorchAir."""
     config = parse_options(options)
+    if mode is not None:
+        config = _with_mode(config, mode)
     inner = config.resolved_inner(_device_type(example_inputs))
     if _needs_autograd(example_inputs):
         from moe_compile.report import BlockDecision, record
@@ -75,6 +79,23 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
                    type(exc).__name__, exc)
         torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
         return _compile_plain(gm, example_inputs, inner, config)
+
+
+def _with_mode(config: BackendConfig, mode: str) -> BackendConfig:
+    import dataclasses
+
+    valid = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    if mode not in valid:
+        raise ValueError("mode must be one of %s, but got %r" % (list(valid), mode))
+    return dataclasses.replace(config, compile_mode=mode)
+
+
+def _inductor_patches(config: BackendConfig) -> dict:
+    if config.compile_mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(config.compile_mode))
 
 
 def _make_pass(gm, example_inputs, config):
@@ -96,7 +117,7 @@ def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: Backend
 
         hook = _InductorHook(moe_pass, pre_pass)
         with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False):
-            return compile_fx(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
     if inner is InnerCompiler.TORCHAIR:
         from moe_compile.lowering.torchair import compile_with_torchair
 
@@ -135,7 +156,7 @@ def _compile_plain(gm, example_inputs, inner: InnerCompiler, config: BackendConf
     if inner is InnerCompiler.INDUCTOR:
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
+        return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
     if inner is InnerCompiler.TORCHAIR:
         from moe_compile.lowering.torchair import compile_with_torchair
 

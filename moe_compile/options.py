@@ -31,6 +31,8 @@ class BackendConfig:
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
     dump_dir: str | None = None
+    compile_mode: str | None = None  # torch.compile(mode=...), passed on to Inductor
+
 
     def resolved_inner(self, device_type: str) -> InnerCompiler:
         if self.inner_compiler is not None:

@@ -102,3 +102,15 @@ def test_training_graph_is_left_alone_with_a_reason():
     assert not report.rewritten
     assert any("autograd" in reason for _, reason in report.skipped)
     assert first_tensor(out).shape == kwargs["hidden_states"].shape
+
+
+def test_compile_mode_is_accepted_and_checked():
+    f = torch.compile(lambda x: x * 2, backend="moe_npu", mode="reduce-overhead",
+                      options={"inner_compiler": "eager"})
+    assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
+    torch._dynamo.reset()
+    from moe_compile.backend import moe_npu_backend
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    with pytest.raises(ValueError, match="mode"):
+        moe_npu_backend(gm, [torch.ones(2)], mode="fastest")
