@@ -96,8 +96,8 @@ class CudaLowering(StagedLowering):
         if inputs.topk_ids is None:
             topk_weights, topk_ids = self.select_experts(logits_TE, cfg.routing, inputs.e_score_correction_bias)
         else:
-            topk_weights = inputs.topk_weights.reshape(x_TH.shape[0], -1)
-            topk_ids = inputs.topk_ids.reshape(x_TH.shape[0], -1)
+            topk_weights = inputs.topk_weights.reshape(x_TH.shape[0], inputs.topk_ids.shape[-1])
+            topk_ids = inputs.topk_ids.reshape(x_TH.shape[0], inputs.topk_ids.shape[-1])
         on_input = cfg.experts.apply_router_weight_on_input
         if on_input:
             # Llama-4: the (top-1) weight scales the expert input, in the input dtype as the reference does

@@ -70,8 +70,9 @@ class NpuLowering(StagedLowering):
         x_TH, logits_TE = super().prepare(inputs)
         weights_TK, ids_TK = inputs.topk_weights, inputs.topk_ids
         if ids_TK is not None:
-            weights_TK = weights_TK.reshape(x_TH.shape[0], -1).float()
-            ids_TK = ids_TK.reshape(x_TH.shape[0], -1).to(torch.int32)
+            top_k = ids_TK.shape[-1]  # not -1: a zero-token batch has no size to infer
+            weights_TK = weights_TK.reshape(x_TH.shape[0], top_k).float()
+            ids_TK = ids_TK.reshape(x_TH.shape[0], top_k).to(torch.int32)
         comm = resolve_comm(cfg.parallel)
         dispatcher = resolve_dispatcher(cfg, comm)
         rows_in = x_TH.shape[0]

@@ -78,12 +78,22 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 # -- probes -----------------------------------------------------------------------------------
-def _family(x: fx.Node) -> set[fx.Node]:
-    """x and every node that is a pure view/cast of the same tensor."""
+def _root(x: fx.Node) -> fx.Node:
     root = x
     while (root.op == "call_function" and root.target in VIEW_OPS | CAST_OPS
            and isinstance(root.args[0], fx.Node)):
         root = root.args[0]
+    return root
+
+
+def activation_dtype(x: fx.Node) -> torch.dtype:
+    """The dtype of the block input before any router-only cast (``x.float()`` for the gate)."""
+    return val(_root(x)).dtype
+
+
+def _family(x: fx.Node) -> set[fx.Node]:
+    """x and every node that is a pure view/cast of the same tensor."""
+    root = _root(x)
     fam, todo = set(), [root]
     while todo:
         node = todo.pop()
@@ -118,7 +128,7 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe 
         return "router input is not 2-D [tokens, hidden]"
     xv, lv = val(anchor.x), val(anchor.logits)
     gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
-    x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=xv.dtype)
+    x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=activation_dtype(anchor.x))
     logits = probe_logits(l_shape, lv.dtype, gen, lv.device)
     overrides = {anchor.logits: logits}
     for node in _family(anchor.x):

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from moe_compile.passes.experts import WeightSource
 from moe_compile.passes.graph import SIDE_EFFECT_OPS, aten, backward_slice, val
-from moe_compile.passes.match import BlockMatch
+from moe_compile.passes.match import BlockMatch, activation_dtype
 
 _counter = itertools.count()
 
@@ -108,10 +108,14 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
             gate_up_interleaved=experts.gate_up_interleaved,
             apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
         )
+        x = anchor.x
+        act_dtype = activation_dtype(anchor.x)
+        if val(x).dtype != act_dtype:  # the router saw an upcast copy; the experts see the original
+            x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
         fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
-                      (anchor.x, anchor.logits, w13, w2, b13, b2, bias), out, kwargs)
+                      (x, anchor.logits, w13, w2, b13, b2, bias), out, kwargs)
         result = fused
-        if val(out).dtype != val(anchor.x).dtype:
+        if val(out).dtype != act_dtype:
             result = _call(graph, torch.ops.prims.convert_element_type.default, (fused, val(out).dtype), out)
     out.replace_all_uses_with(result)
     _drop_old(graph, match, {anchor.x, anchor.logits})
