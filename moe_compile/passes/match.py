@@ -23,6 +23,7 @@ from moe_compile.passes.graph import (
 log = logging.getLogger("moe_compile")
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 MAX_OUTPUT_CANDIDATES = 16
+ROUTING_TRIALS = 6
 
 
 @dataclass
@@ -170,10 +171,21 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
     region = set(weight_nodes) | anchor.chain
     bias = None if anchor.bias is None else ctx.evaluator.run(
         backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1).float()
+    # a handful of tokens can agree by chance (group max vs top-2 sum, say): the expert choice
+    # must also agree on fresh logits
+    extra = []
+    for trial in range(100, 100 + ROUTING_TRIALS):
+        other = make_probe(ctx, anchor, trial)
+        ids_other = None if isinstance(other, str) else _eval(ctx, other, [anchor.ids])
+        if ids_other is not None:
+            extra.append((other.logits, ids_other[0]))
     found = []
     for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region)):
-        w, ids = rt.reference_routing(probe.logits, cfg, bias if cfg.has_correction_bias else None)
+        cfg_bias = bias if cfg.has_correction_bias else None
+        w, ids = rt.reference_routing(probe.logits, cfg, cfg_bias)
         if not rt.ids_match(got_ids, ids):
+            continue
+        if not all(rt.ids_match(got, rt.reference_routing(logits, cfg, cfg_bias)[1]) for logits, got in extra):
             continue
         if any(rt.weights_match(wv, w, ids, 2e-3) for wv in weight_values
                if isinstance(wv, torch.Tensor)):

@@ -173,8 +173,16 @@ def _group_hints(anchor: RouterAnchor) -> tuple[tuple[int, int, int], ...]:
             if isinstance(inner, torch.Tensor) and inner.dim() == 2:
                 group_count, k_group = int(inner.shape[-1]), node.args[1]
                 if anchor.num_experts % group_count == 0 and isinstance(k_group, int):
-                    found.extend([(group_count, k_group, 1), (group_count, k_group, 0)])
+                    modes = (0, 1) if _scores_groups_by_max(anchor.chain) else (1, 0)
+                    found.extend([(group_count, k_group, m) for m in modes])
     return tuple(dict.fromkeys(found))
+
+
+def _scores_groups_by_max(chain: set[fx.Node]) -> bool:
+    """Group score = max (DeepSeek-V2) rather than the sum of the top two (DeepSeek-V3)."""
+    top2 = any(n.target is aten.topk.default and n.args[1] == 2 and val(n.args[0]) is not None
+               and val(n.args[0]).dim() == 3 for n in chain)
+    return not top2 and any(n.target in (aten.max.dim, aten.amax.default) for n in chain)
 
 
 def _scale_hints(region: set[fx.Node]) -> tuple[float, ...]:
