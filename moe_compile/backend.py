@@ -113,7 +113,7 @@ def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: Backend
         def pre_pass(graph):
             before = graph.python_code("self").src
             moe_pass(graph)
-            record_graphs(before, graph.python_code("self").src)
+            _graphs_done(config, before, graph.python_code("self").src)
 
         hook = _InductorHook(moe_pass, pre_pass)
         with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False):
@@ -133,10 +133,26 @@ def _aot(gm, example_inputs, moe_pass):
         before = fx_g.print_readable(print_output=False)
         moe_pass(fx_g.graph)
         fx_g.recompile()
-        record_graphs(before, fx_g.print_readable(print_output=False))
+        _graphs_done(moe_pass.config, before, fx_g.print_readable(print_output=False))
         return boxed_nop(fx_g, fake_inputs)
 
     return aot_autograd(fw_compiler=boxed_nop, inference_compiler=inference)(gm, example_inputs)
+
+
+_dump_counter = iter(range(1 << 30))
+
+
+def _graphs_done(config: BackendConfig, before: str, after: str) -> None:
+    """Hand the before/after graphs to the open reports, and to ``options["dump_dir"]``."""
+    record_graphs(before, after)
+    if config.dump_dir:
+        import os
+
+        os.makedirs(config.dump_dir, exist_ok=True)
+        index = next(_dump_counter)
+        for tag, text in (("before", before), ("after", after)):
+            with open(os.path.join(config.dump_dir, "moe_npu_graph%d_%s.txt" % (index, tag)), "w") as fh:
+                fh.write(text)
 
 
 class _InductorHook:

@@ -110,3 +110,12 @@ def test_verify_rejects_a_wrong_rewrite(monkeypatch):
     assert diff <= 1e-4
     assert not report.rewritten
     assert any("verif" in reason for _, reason in report.skipped)
+
+
+def test_dump_dir_option_writes_before_and_after(mixtral, tmp_path):
+    model, kwargs = mixtral
+    moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager", "dump_dir": str(tmp_path)})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert any(f.endswith("_before.txt") for f in files) and any(f.endswith("_after.txt") for f in files)
+    after = [p for p in tmp_path.iterdir() if p.name.endswith("_after.txt")][0].read_text()
+    assert "moe_compile.fused_moe" in after
