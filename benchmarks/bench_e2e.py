@@ -113,12 +113,13 @@ def run_model(name: str, args) -> list[dict]:
     for mode in args.modes:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
+        graphs = "reduce-overhead" if mode.endswith("-cg") else None  # CUDA graphs
         if mode == "eager":
             fn = model
-        elif mode == "inductor":
-            fn = torch.compile(model)
+        elif mode.startswith("inductor"):
+            fn = torch.compile(model, mode=graphs)
         else:
-            fn = torch.compile(model, backend="moe_npu")
+            fn = torch.compile(model, backend="moe_npu", mode=graphs)
         for size in args.sizes:
             ids = inputs[size]
             with torch.no_grad():
@@ -137,7 +138,7 @@ def run_model(name: str, args) -> list[dict]:
             elif size in eager_logits:
                 ref = eager_logits[size]
                 row["rel_err_vs_eager"] = ((logits.float() - ref).norm() / ref.norm()).item()
-            if mode == "moe_npu":
+            if mode.startswith("moe_npu"):
                 row["moe_blocks_rewritten"] = int(torch._dynamo.utils.counters["moe_compile"]["rewritten"])
             rows.append(row)
             print(format_row(row, rows), flush=True)
@@ -147,7 +148,7 @@ def run_model(name: str, args) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'model':<12}{'size':<9}{'tokens':>7} {'mode':<9}{'ms':>10}{'vs eager':>9}{'first call s':>13}"
+HEADER = (f"{'model':<12}{'size':<9}{'tokens':>7} {'mode':<12}{'ms':>10}{'vs eager':>9}{'first call s':>13}"
           f"{'rewritten':>10}{'err':>9}")
 
 
@@ -155,7 +156,7 @@ def format_row(row: dict, rows: list[dict]) -> str:
     eager = [r for r in rows if r["model"] == row["model"] and r["size"] == row["size"] and r["mode"] == "eager"]
     speed = f"{eager[0]['ms'] / row['ms']:.2f}x" if eager else "-"
     err = f"{row['rel_err_vs_eager']:.1e}" if "rel_err_vs_eager" in row else "-"
-    return (f"{row['model']:<12}{row['size']:<9}{row['tokens']:>7} {row['mode']:<9}{row['ms']:>10.2f}{speed:>9}"
+    return (f"{row['model']:<12}{row['size']:<9}{row['tokens']:>7} {row['mode']:<12}{row['ms']:>10.2f}{speed:>9}"
             f"{row['first_call_s']:>13.1f}{str(row.get('moe_blocks_rewritten', '-')):>10}{err:>9}")
 
 
@@ -165,7 +166,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "moe_npu"],
-                        choices=["eager", "inductor", "moe_npu"])
+                        choices=["eager", "inductor", "moe_npu", "inductor-cg", "moe_npu-cg"],
+                        help="-cg: torch.compile(mode='reduce-overhead'), i.e. CUDA graphs")
+    parser.add_argument("--json-name", default="e2e.json")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny dimensions (smoke test)")
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models:
         rows += run_model(name, args)
-        with open(out / "e2e.json", "w") as f:
+        with open(out / args.json_name, "w") as f:
             json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=1)
     print("\n" + HEADER)
     for r in rows:
