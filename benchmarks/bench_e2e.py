@@ -120,6 +120,15 @@ def run_model(name: str, args) -> list[dict]:
             fn = torch.compile(model, mode=graphs)
         else:
             fn = torch.compile(model, backend="moe_npu", mode=graphs)
+        if graphs:  # CUDA-graph outputs are overwritten by the next replay: mark steps, copy out
+            compiled = fn
+
+            def fn(**kw):
+                torch.compiler.cudagraph_mark_step_begin()
+                out = compiled(**kw)
+                out.logits = out.logits.clone()
+                return out
+
         for size in args.sizes:
             ids = inputs[size]
             with torch.no_grad():
