@@ -105,13 +105,24 @@ def _family(x: fx.Node) -> set[fx.Node]:
     return fam
 
 
-def probe_logits(shape, dtype, gen: torch.Generator, device) -> torch.Tensor:
-    """Distinct, exactly representable logits per row (no ties in any dtype up to E=256)."""
+def probe_logits(shape, dtype, gen: torch.Generator, device, spread: float | None = None) -> torch.Tensor:
+    """Distinct, exactly representable logits per row (no ties in any dtype up to E=256).
+
+    Without ``spread``: a coarse power-of-two grid over about ±2, shuffled per token. With it:
+    ``E`` distinct multiples of a fine power-of-two step (±128 steps span about ±2·spread), so
+    neighbouring logits are close, as a real router's are, and a small selection bias matters.
+    """
     num_tokens, num_experts = shape
-    step = 2.0 ** round(math.log2(4.0 / num_experts))
-    grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
-    rows = torch.stack([grid[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)])
-    return rows.to(device=device, dtype=dtype)
+    if spread is None:
+        step = 2.0 ** round(math.log2(4.0 / num_experts))
+        grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
+        rows = [grid[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)]
+    else:
+        span = max(256, num_experts)
+        step = 2.0 ** round(math.log2(2.0 * spread / 128))
+        rows = [(torch.randperm(span, generator=gen)[:num_experts].float() - span / 2) * step
+                for _ in range(num_tokens)]
+    return torch.stack(rows).to(device=device, dtype=dtype)
 
 
 @dataclass
@@ -130,7 +141,10 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe 
     xv, lv = val(anchor.x), val(anchor.logits)
     gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
     x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=activation_dtype(anchor.x))
-    logits = probe_logits(l_shape, lv.dtype, gen, lv.device)
+    # every other routing trial uses the router's own logit scale, where a selection bias or the
+    # order of bias and score function changes the choice (a wide grid would hide it)
+    spread = _logit_spread(ctx, anchor) if trial >= 100 and trial % 2 else None
+    logits = probe_logits(l_shape, lv.dtype, gen, lv.device, spread)
     overrides = {anchor.logits: logits}
     for node in _family(anchor.x):
         shape = ctx.conc.shape(node)
@@ -139,6 +153,17 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe 
             continue
         overrides[node] = x2d.reshape(shape).to(v.dtype)
     return Probe(overrides, x2d, logits)
+
+
+def _logit_spread(ctx: GraphContext, anchor: rt.RouterAnchor) -> float:
+    """The typical size of the router's logits for unit-variance input: its rows' norm."""
+    weight = ctx.values.get(anchor.router_weight)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0.25
+    hidden = ctx.conc.shape(anchor.x)[-1]
+    dim = 1 if weight.shape[1] == hidden else 0
+    spread = float(weight.float().norm(dim=dim).mean())
+    return min(max(spread, 1e-3), 4.0)
 
 
 def _eval(ctx: GraphContext, probe: Probe, wanted: list[fx.Node]) -> list | None:
