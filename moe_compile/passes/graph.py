@@ -149,10 +149,21 @@ class SliceEvaluator:
     """Evaluates the nodes of a slice in graph order with some values overridden (the probe)."""
 
     def __init__(self, graph: fx.Graph, placeholders: list[fx.Node], real_inputs: list,
-                 owning_module: torch.nn.Module | None):
+                 owning_module: torch.nn.Module | None, conc: "Concretizer | None" = None):
         self.order = {node: i for i, node in enumerate(graph.nodes)}
         self.base = dict(zip(placeholders, real_inputs))
         self.module = owning_module
+        self.conc = conc or Concretizer(placeholders, real_inputs)
+
+    def _concrete(self, value):
+        """Symbolic sizes baked into args become the example's ints, without guarding on them
+        (evaluating a SymInt against a real tensor would specialise the compiled graph)."""
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            out = sympy.sympify(value.node.expr).subs(self.conc.subs)
+            if isinstance(value, torch.SymInt):
+                return int(out)
+            return float(out) if isinstance(value, torch.SymFloat) else bool(out)
+        return value
 
     def run(self, needed: set[fx.Node], overrides: dict[fx.Node, object], wanted: list[fx.Node]) -> list:
         env = dict(self.base)
@@ -163,8 +174,8 @@ class SliceEvaluator:
             if node.op == "get_attr":
                 env[node] = _fetch_attr(self.module, node.target)
             elif node.op == "call_function":
-                args = fx.node.map_arg(node.args, env.__getitem__)
-                kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                args = fx.node.map_aggregate(fx.node.map_arg(node.args, env.__getitem__), self._concrete)
+                kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, env.__getitem__), self._concrete)
                 env[node] = node.target(*args, **kwargs)
             elif node.op == "placeholder":
                 raise KeyError(f"placeholder {node.name} has no value")

@@ -69,8 +69,9 @@ class MoEFusionPass(_Base):
             if node.op == "get_attr":
                 values[node] = _fetch(gm, node.target)
         names = dict(zip(placeholders, self.input_names))
-        ctx = GraphContext(graph, values, names, SliceEvaluator(graph, placeholders, self.real_inputs, gm),
-                           Concretizer(placeholders, self.real_inputs))
+        conc = Concretizer(placeholders, self.real_inputs)
+        ctx = GraphContext(graph, values, names, SliceEvaluator(graph, placeholders, self.real_inputs, gm, conc),
+                           conc)
         for topk, anchor in rt.find_anchors(graph, names):
             if topk.graph is not graph or topk not in _live(graph):
                 continue
