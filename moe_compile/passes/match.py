@@ -241,7 +241,8 @@ def fused_reference(x2d, logits, routing: RoutingConfig, bias, w13, w2, b13, b2,
     from moe_compile.ops.config import MoEConfig
 
     weights = ExpertWeights(w13, w2, b13, b2)
-    inputs = MoEInputs(x2d, logits, weights, bias if routing.has_correction_bias else None)
+    # the experts compute in their weights' dtype whatever dtype the router saw
+    inputs = MoEInputs(x2d.to(w13.dtype), logits, weights, bias if routing.has_correction_bias else None)
     return StagedLowering().run(inputs, MoEConfig(routing=routing, experts=cfg))
 
 

@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from moe_compile.passes.experts import WeightSource
 from moe_compile.passes.graph import SIDE_EFFECT_OPS, aten, backward_slice, val
-from moe_compile.passes.match import BlockMatch, activation_dtype
+from moe_compile.passes.match import BlockMatch
 
 _counter = itertools.count()
 
@@ -109,8 +109,8 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
             apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
         )
         x = anchor.x
-        act_dtype = activation_dtype(anchor.x)
-        if val(x).dtype != act_dtype:  # the router saw an upcast copy; the experts see the original
+        act_dtype = val(w13).dtype  # the experts compute in their weights' dtype
+        if val(x).dtype != act_dtype:  # e.g. the router saw an upcast copy (DeepSeek-V3's x.float())
             x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
         fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
                       (x, anchor.logits, w13, w2, b13, b2, bias), out, kwargs)
