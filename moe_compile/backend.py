@@ -84,9 +84,10 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
 def _with_mode(config: BackendConfig, mode: str) -> BackendConfig:
     import dataclasses
 
-    valid = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-    if mode not in valid:
-        raise ValueError("mode must be one of %s, but got %r" % (list(valid), mode))
+    from moe_compile.options import COMPILE_MODES
+
+    if mode not in COMPILE_MODES:
+        raise ValueError("mode must be one of %s, but got %r" % (list(COMPILE_MODES), mode))
     return dataclasses.replace(config, compile_mode=mode)
 
 

@@ -51,7 +51,10 @@ VALID_OPTIONS = {
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
     "dump_dir": "a folder path (str) to write before/after graphs to",
+    "mode": "a torch.compile mode for the inner compiler: 'default', 'reduce-overhead' (CUDA graphs), "
+            "'max-autotune', 'max-autotune-no-cudagraphs' (torch.compile takes mode= or options=, not both)",
 }
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def _exclude(value) -> tuple[tuple[str, ...], tuple[type, ...]]:
@@ -106,6 +109,10 @@ def parse_options(options: dict | None) -> BackendConfig:
     for name in ("ep_group", "tp_group"):
         if name in options:
             kwargs[name] = _group(name, options[name])
+    if "mode" in options:
+        if options["mode"] not in COMPILE_MODES:
+            raise ValueError("options['mode'] must be one of %s, but got %r" % (list(COMPILE_MODES), options["mode"]))
+        kwargs["compile_mode"] = options["mode"]
     if "dump_dir" in options:
         if not isinstance(options["dump_dir"], str):
             raise TypeError("options['dump_dir'] must be a str, but got %r" % (options["dump_dir"],))

@@ -105,9 +105,12 @@ def test_training_graph_is_left_alone_with_a_reason():
 
 
 def test_compile_mode_is_accepted_and_checked():
-    f = torch.compile(lambda x: x * 2, backend="moe_npu", mode="reduce-overhead",
-                      options={"inner_compiler": "eager"})
+    # torch.compile takes mode= or options=, not both: the mode can also travel as an option
+    f = torch.compile(lambda x: x * 2, backend="moe_npu", mode="max-autotune-no-cudagraphs")
     assert torch.equal(f(torch.ones(2)), torch.full((2,), 2.0))
+    assert parse_options({"mode": "reduce-overhead"}).compile_mode == "reduce-overhead"
+    with pytest.raises(ValueError, match="mode"):
+        parse_options({"mode": "turbo"})
     torch._dynamo.reset()
     from moe_compile.backend import moe_npu_backend
 
