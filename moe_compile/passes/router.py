@@ -207,10 +207,16 @@ def candidate_configs(anchor: RouterAnchor, h: RouterHints) -> list[RoutingConfi
             continue
         if method is RoutingMethod.SIGMOID and renorm:
             continue
-        out.append(replace(base, method=method, group_count=gc, k_group=kg, group_select_mode=mode,
-                           renormalize=renorm, routed_scaling_factor=scale, normalize_sigmoid=norm_sig,
-                           scoring_after_topk=h.scoring_after_topk and gc == 1))
-    return out
+        after = h.scoring_after_topk and gc == 1
+        cfg = replace(base, method=method, group_count=gc, k_group=kg, group_select_mode=mode,
+                      renormalize=renorm, routed_scaling_factor=scale, normalize_sigmoid=norm_sig,
+                      scoring_after_topk=after)
+        if after and method is RoutingMethod.SOFTMAX:
+            # top-k then softmax over the picks == softmax, top-k, renormalise: emit the canonical
+            # form, which every lowering (the NPU gating op included) runs natively
+            out.append(replace(cfg, scoring_after_topk=False, renormalize=True))
+        out.append(cfg)
+    return list(dict.fromkeys(out))
 
 
 def ids_match(got: torch.Tensor, want: torch.Tensor) -> bool:
