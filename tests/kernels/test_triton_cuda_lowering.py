@@ -4,18 +4,13 @@ GPU tests skip without CUDA; the CPU tests cover the fallback path and run the l
 Triton's interpreter.
 """
 import logging
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-# Without CUDA the kernels run under Triton's interpreter: triton.jit reads TRITON_INTERPRET when the
-# kernel modules are imported (below); the variable is restored afterwards so that other tests in this
-# process still see the CUDA lowering fall back on CPU tensors, and re-set around each test here.
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+# Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET, set for the whole
+# session by tests/conftest.py before triton is first imported).
 pytest.importorskip("triton")
 
 import moe_compile.kernels.triton.experts  # noqa: E402,F401  (decorate the kernels now, interpreted on CPU)
@@ -25,17 +20,6 @@ from moe_compile.lowering import MoEInputs, StagedLowering  # noqa: E402
 from moe_compile.lowering.cuda import FALLBACKS, CudaLowering  # noqa: E402
 from moe_compile.modular import ExpertWeights  # noqa: E402
 from moe_compile.ops.custom_op import make_config  # noqa: E402
-
-if _PREV_INTERPRET is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-
-
-@pytest.fixture(autouse=True)
-def _interpret_on_cpu(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")

@@ -2,33 +2,17 @@
 
 On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``); on CUDA it is compiled.
 """
-import os
 
 import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-# Without CUDA the kernels run under Triton's interpreter: triton.jit reads TRITON_INTERPRET when the
-# kernel modules are imported (below); the variable is restored afterwards so that other tests in this
-# process still see the CUDA lowering fall back on CPU tensors, and re-set around each test here.
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
+# Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET, set for the whole
+# session by tests/conftest.py before triton is first imported).
 pytest.importorskip("triton")
 
 from moe_compile.kernels.triton.routing import route, route_reference  # noqa: E402
 from moe_compile.ops.config import RoutingConfig, RoutingMethod  # noqa: E402
-
-if _PREV_INTERPRET is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-
-
-@pytest.fixture(autouse=True)
-def _interpret_on_cpu(monkeypatch):
-    if not CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 DEV = "cuda" if CUDA else "cpu"
