@@ -42,6 +42,7 @@ class Report:
     graphs_before: list[str] = field(default_factory=list)
     graphs_after: list[str] = field(default_factory=list)
     graph_count: int = 0
+    output: object = None  # what the compiled model returned in explain()
 
     @property
     def rewritten(self) -> list[str]:
