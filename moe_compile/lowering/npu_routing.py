@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
+from moe_compile.ops.routing import select_experts, torch_topk
 
 log = logging.getLogger("moe_compile")
 
@@ -124,47 +125,8 @@ def select_experts_npu(logits_TE: torch.Tensor, cfg: RoutingConfig,
     return weights_TK, ids_TK
 
 
-def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
-    return torch.softmax(logits_f32, dim=-1) if method is RoutingMethod.SOFTMAX else torch.sigmoid(logits_f32)
-
-
-def _keep_best_groups(sel_TE: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
-    """Experts outside each token's ``k_group`` best groups become -inf (group score: max | top-2 sum)."""
-    num_tokens, num_experts = sel_TE.shape
-    sel_TGS = sel_TE.view(num_tokens, cfg.group_count, num_experts // cfg.group_count)
-    if cfg.group_select_mode == 0:
-        group_score_TG = sel_TGS.max(dim=-1).values
-    else:
-        group_score_TG = torch.topk(sel_TGS, 2, dim=-1).values.sum(dim=-1)
-    keep_TK = torch.topk(group_score_TG, cfg.k_group, dim=-1).indices
-    kept_TG = torch.zeros_like(group_score_TG).scatter(1, keep_TK, 1.0)
-    return sel_TGS.masked_fill(kept_TG.unsqueeze(-1) == 0, float("-inf")).view(num_tokens, num_experts)
-
-
 def torch_routing(logits_TE: torch.Tensor, cfg: RoutingConfig,
                   bias_E: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing semantics of ``ops.routing.select_experts`` in ops that GE converts."""
-    logits = logits_TE.float()
-    if cfg.scoring_after_topk:
-        picked_TK, ids_TK = torch.topk(logits, cfg.top_k, dim=-1)
-        if cfg.method is RoutingMethod.SOFTMAX:
-            weights_TK = torch.softmax(picked_TK, dim=-1)
-        else:
-            weights_TK = torch.sigmoid(picked_TK)
-            if cfg.normalize_sigmoid:
-                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
-    else:
-        scores_TE = _score(logits, cfg.method)
-        sel_TE = scores_TE if bias_E is None else scores_TE + bias_E.float()
-        if cfg.grouped:
-            sel_TE = _keep_best_groups(sel_TE, cfg)
-        ids_TK = torch.topk(sel_TE, cfg.top_k, dim=-1).indices
-        weights_TK = scores_TE.gather(1, ids_TK)
-        if cfg.method is RoutingMethod.SOFTMAX:
-            if cfg.renormalize:
-                weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
-        elif cfg.normalize_sigmoid:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
-    if cfg.routed_scaling_factor != 1.0:
-        weights_TK = weights_TK * cfg.routed_scaling_factor
-    return weights_TK, ids_TK.to(torch.int32)
+    """``ops.routing.select_experts`` with plain ``torch.topk``: the same semantics in ops that GE
+    converts (GE has no stable sort, so exact ties may resolve differently; documented AMBIG)."""
+    return select_experts(logits_TE, cfg, bias_E, topk=torch_topk)

@@ -20,6 +20,8 @@ Ties in top-k resolve to the lower expert index, as the NPU ops' goldens do.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
@@ -41,17 +43,28 @@ def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
     return torch.sigmoid(logits_f32)
 
 
-def _mask_groups(sel_TE: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
-    """Keep the ``k_group`` best expert groups of each token; the rest become -inf."""
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def torch_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain ``torch.topk`` over the last dim (what graph compilers without a stable sort take)."""
+    return torch.topk(x, k, dim=-1)
+
+
+def _mask_groups(sel_TE: torch.Tensor, cfg: RoutingConfig, topk: TopK) -> torch.Tensor:
+    """Keep the ``k_group`` best expert groups of each token; the rest become -inf.
+
+    Written with out-of-place, non-boolean ops only, so the NPU lowering's GE graph converts it.
+    """
     num_tokens, num_experts = sel_TE.shape
     sel_TGS = sel_TE.view(num_tokens, cfg.group_count, num_experts // cfg.group_count)
     if cfg.group_select_mode == 0:
         group_score_TG = sel_TGS.max(dim=-1).values
     else:
-        group_score_TG = sel_TGS.topk(2, dim=-1).values.sum(dim=-1)
-    keep_TK = topk_lower_index_first(group_score_TG, cfg.k_group)[1]
-    keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, keep_TK, True)
-    masked_TGS = sel_TGS.masked_fill(~keep_TG.unsqueeze(-1), float("-inf"))
+        group_score_TG = topk(sel_TGS, 2)[0].sum(dim=-1)
+    keep_TK = topk(group_score_TG, cfg.k_group)[1]
+    kept_TG = torch.zeros_like(group_score_TG).scatter(1, keep_TK, 1.0)
+    masked_TGS = sel_TGS.masked_fill(kept_TG.unsqueeze(-1) == 0, float("-inf"))
     return masked_TGS.view(num_tokens, num_experts)
 
 
@@ -59,11 +72,17 @@ def select_experts(
     router_logits: torch.Tensor,
     cfg: RoutingConfig,
     e_score_correction_bias: torch.Tensor | None = None,
+    *,
+    topk: TopK = topk_lower_index_first,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route ``router_logits [T, E]``; returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int32)``."""
+    """Route ``router_logits [T, E]``; returns ``(topk_weights [T, k] fp32, topk_ids [T, k] int32)``.
+
+    ``topk`` picks the experts; the default resolves ties to the lower index (the NPU ops'
+    semantics); the NPU lowering's GE graph passes :func:`torch_topk` (GE has no stable sort).
+    """
     logits_TE = router_logits.float()
     if cfg.scoring_after_topk:
-        picked_TK, topk_ids = topk_lower_index_first(logits_TE, cfg.top_k)
+        picked_TK, topk_ids = topk(logits_TE, cfg.top_k)
         if cfg.method is RoutingMethod.SOFTMAX:
             weights_TK = torch.softmax(picked_TK, dim=-1)
         else:
@@ -76,8 +95,8 @@ def select_experts(
         if e_score_correction_bias is not None:
             sel_TE = scores_TE + e_score_correction_bias.float()
         if cfg.grouped:
-            sel_TE = _mask_groups(sel_TE, cfg)
-        topk_ids = topk_lower_index_first(sel_TE, cfg.top_k)[1]
+            sel_TE = _mask_groups(sel_TE, cfg, topk)
+        topk_ids = topk(sel_TE, cfg.top_k)[1]
         weights_TK = scores_TE.gather(1, topk_ids)
         if cfg.method is RoutingMethod.SOFTMAX:
             if cfg.renormalize:
