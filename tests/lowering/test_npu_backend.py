@@ -26,31 +26,8 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-@pytest.mark.parametrize("family", sorted(EXPECTED))
-def test_compiled_hf_model_on_the_emulated_npu_matches_eager(family):
-    model, kwargs = build_model(family)
-    model.eval()
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad():
-            eager = _logits(model(**kwargs))
-            with emulated_npu(poison=True) as npu:
-                compiled = torch.compile(model, backend="moe_npu",
-                                         options={"lowering": "npu", "inner_compiler": "aot_eager"})
-                out = _logits(compiled(**kwargs))
-    finally:
-        torch._dynamo.reset()
-    layers = expected_moe_layers(family)
-    assert dict(npu.calls) == {op: n * layers for op, n in EXPECTED[family].items()}
-    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
-
-
-MORE_FAMILIES = ["qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deepseek_v3", "granitemoe", "jetmoe"]
-
-
-@pytest.mark.parametrize("family", MORE_FAMILIES)
-def test_more_families_on_the_emulated_npu(family):
-    """The rest of the pass issue's named families: same check, every block through the NPU ops."""
+def _compile_on_emulated_npu(family):
+    """(compiled logits, eager logits, torch_npu calls) for a tiny model under poison."""
     model, kwargs = build_model(family)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -63,6 +40,24 @@ def test_more_families_on_the_emulated_npu(family):
                 out = _logits(compiled(**kwargs))
     finally:
         torch._dynamo.reset()
+    return out, eager, npu
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_compiled_hf_model_on_the_emulated_npu_matches_eager(family):
+    out, eager, npu = _compile_on_emulated_npu(family)
+    layers = expected_moe_layers(family)
+    assert dict(npu.calls) == {op: n * layers for op, n in EXPECTED[family].items()}
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-4)
+
+
+MORE_FAMILIES = ["qwen2_moe", "qwen3_moe", "qwen3_next", "olmoe", "deepseek_v3", "granitemoe", "jetmoe"]
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_more_families_on_the_emulated_npu(family):
+    """The rest of the pass issue's named families: same check, every block through the NPU ops."""
+    out, eager, npu = _compile_on_emulated_npu(family)
     layers = expected_moe_layers(family)
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == layers
     assert npu.calls["npu_grouped_matmul"] == 2 * layers
