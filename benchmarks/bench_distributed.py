@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +25,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_e2e import timed  # noqa: E402  (median ms, CUDA events or wall clock)
 
 SHAPES = {  # hidden, moe intermediate, experts, top-k, routing kwargs
     "qwen3": (2048, 768, 128, 8, dict(renormalize=True)),
@@ -53,23 +54,6 @@ def _weights(name, tiny, device, dtype):
     w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(dtype).to(device).transpose(1, 2)
     bias = (torch.randn(experts, generator=gen) * 0.02).to(device) if routing.get("routing_method") == "sigmoid" else None
     return hidden, experts, top_k, routing, w13, w2, bias
-
-
-def _timed(fn, reps, device):
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _graphed(fn, device):
@@ -144,7 +128,7 @@ def _worker(rank, world, port, args, queue):
                 out = fn()
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 replay = _graphed(fn, device)
-                ms = _timed(replay or fn, args.reps, device)
+                ms = timed(replay or fn, args.reps, device)
                 share = _comm_share(fn, device) if mode != "single" else 0.0
                 rows.append(dict(model=name, tokens=tokens, mode=mode, ms=ms, graphs=replay is not None,
                                  comm_pct=share, rel_err_vs_single=err, rank=rank))

@@ -14,6 +14,7 @@ that works without us works with us.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import sys
 import warnings
@@ -140,7 +141,7 @@ def _aot(gm, example_inputs, moe_pass):
     return aot_autograd(fw_compiler=boxed_nop, inference_compiler=inference)(gm, example_inputs)
 
 
-_dump_counter = iter(range(1 << 30))
+_dump_counter = itertools.count()
 
 
 def _graphs_done(config: BackendConfig, before: str, after: str) -> None:
