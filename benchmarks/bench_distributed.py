@@ -1,4 +1,4 @@
-"""One MoE layer across ranks: single device vs EP static vs EP dynamic vs TP (issue 7).
+"""One MoE layer across ranks: single device vs EP static vs EP dynamic vs EP batched vs TP (issue 7).
 
     # two H200s, NCCL (leave NVLink multicast off: NCCL_NVLS_ENABLE=0)
     python benchmarks/bench_distributed.py --world-size 2 --out benchmarks/results
@@ -49,10 +49,13 @@ def _weights(name, tiny, device, dtype):
     if tiny:
         hidden, inter, experts = 64, 32, 16
         routing = dict(routing, group_count=4, k_group=2) if "group_count" in routing else routing
-    gen = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02).to(dtype).to(device).transpose(1, 2)
-    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.02).to(dtype).to(device).transpose(1, 2)
-    bias = (torch.randn(experts, generator=gen) * 0.02).to(device) if routing.get("routing_method") == "sigmoid" else None
+    gen = torch.Generator(device).manual_seed(0)  # on the device: the same values on every rank, fast
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02
+
+    w13, w2 = rnd(experts, 2 * inter, hidden).transpose(1, 2), rnd(experts, hidden, inter).transpose(1, 2)
+    bias = rnd(experts).float() if routing.get("routing_method") == "sigmoid" else None
     return hidden, experts, top_k, routing, w13, w2, bias
 
 
@@ -97,6 +100,7 @@ def _modes(rank, world, w13, w2):
     return {
         "ep_static": (ep.w13, ep.w2, dict(ep_group=group, dispatcher_type="static")),
         "ep_dynamic": (ep.w13, ep.w2, dict(ep_group=group, dispatcher_type="dynamic")),
+        "ep_batched": (ep.w13, ep.w2, dict(ep_group=group, dispatcher_type="batched")),
         "tp": (tp.w13, tp.w2, dict(tp_group=group, dispatcher_type="static")),
     }
 
@@ -127,11 +131,13 @@ def _worker(rank, world, port, args, queue):
             for mode, fn in calls.items():
                 out = fn()
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                replay = _graphed(fn, device)
+                replay = _graphed(fn, device) if mode != "ep_dynamic" else None  # dynamic syncs on the host
                 ms = timed(replay or fn, args.reps, device)
                 share = _comm_share(fn, device) if mode != "single" else 0.0
                 rows.append(dict(model=name, tokens=tokens, mode=mode, ms=ms, graphs=replay is not None,
                                  comm_pct=share, rel_err_vs_single=err, rank=rank))
+                print("rank %d %s M=%d %s: %.3f ms graphs=%s comm %.1f%% err %.1e" % (
+                    rank, name, tokens, mode, ms, replay is not None, share, err), file=sys.stderr, flush=True)
                 dist.barrier()
     queue.put(rows)
     dist.destroy_process_group()
@@ -161,8 +167,11 @@ def main(argv=None) -> int:
     results = [queue.get() for _ in procs]
     for p in procs:
         p.join()
-    rows = [r for rank_rows in results for r in rank_rows if r["rank"] == 0]
+    rows = [dict(r, ms=max(o["ms"] for rr in results for o in rr  # the slowest rank's time
+                           if (o["model"], o["tokens"], o["mode"]) == (r["model"], r["tokens"], r["mode"])))
+            for r in results[0]]
     worst = max((r["rel_err_vs_single"] for rank_rows in results for r in rank_rows), default=0.0)
+    print("ms: the slowest rank's median; comm%: rank 0's profiled share; err: rank 0 vs single device")
     print("%-12s %6s %-11s %9s %7s %7s %9s" % ("model", "M", "mode", "ms", "graphs", "comm%", "err"))
     for r in rows:
         print("%-12s %6d %-11s %9.3f %7s %7.1f %9.1e" % (r["model"], r["tokens"], r["mode"], r["ms"],

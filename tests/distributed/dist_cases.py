@@ -1,7 +1,8 @@
 """Distributed fused-MoE cases and their single-process reference (run inside spawned ranks).
 
-Every rank builds the same full problem from the case's seed, computes the reference with
-``fused_moe`` without groups on the full weights and tokens, then runs its share (sharded
+Every rank builds the same full problem from the case's seed (on its GPU under NCCL, where the
+CUDA lowering runs both sides), computes the reference with ``fused_moe`` without groups on the full
+weights and tokens, then runs its share (sharded
 weights, and sharded tokens for tokens_full=False) with the case's group and dispatcher and
 compares. Tolerances: fp32 ``rtol=1e-4, atol=2e-5`` (only the summation order differs);
 bf16 ``2e-2`` (partial sums are rounded to bf16 before the reduction, as on the device).
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from dist_harness import device
 from moe_compile import fused_moe
 from moe_compile.distributed import shard_experts_for_ep, shard_for_groups, shard_tokens
 
@@ -82,7 +84,8 @@ def make_problem(case: Case, salt: int = 0) -> Problem:
     corr = torch.randn(e, generator=gen) if case.correction_bias else None
     if case.batch3d:
         x, logits = x.view(t // 2, 2, h), logits.view(t // 2, 2, e)
-    return Problem(x, logits.to(case.dtype), w13, w2, b13, b2, corr)
+    dev = device()  # the same values on every rank and device (generated on the CPU)
+    return Problem(*(None if v is None else v.to(dev) for v in (x, logits.to(case.dtype), w13, w2, b13, b2, corr)))
 
 
 def _call(case: Case, p: Problem, x, logits, weights, **groups) -> torch.Tensor:
@@ -134,6 +137,42 @@ def run_case(case: Case, subgroup=None, subgroup_index: int = 0) -> None:
         dist.all_reduce(out, group=group)
     assert out.shape == expected.shape and out.dtype == expected.dtype, (out.shape, out.dtype, expected.shape)
     torch.testing.assert_close(out, expected, **TOL[case.dtype])
+
+
+def graph_case(case: Case) -> None:
+    """CUDA only: the call captured in one CUDA graph (collectives included), then replayed on new
+    tokens and on the captured ones, equals the single-GPU reference on each."""
+    groups, group = groups_for(case, None)
+    p = make_problem(case)
+    q = dataclasses.replace(p, **{k: v for k, v in vars(make_problem(case, salt=1)).items() if k in ("x", "logits")})
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    w = shard_for_groups(p.w13, p.w2, p.w13_bias, p.w2_bias, activation=case.activation,
+                         gate_up_interleaved=case.interleaved, **groups)
+
+    def tokens(prob):
+        if case.tokens_full:
+            return prob.x, prob.logits
+        return tuple(shard_tokens(t, rank=rank, world_size=world) for t in (prob.x, prob.logits))
+
+    x, logits = (t.clone() for t in tokens(p))
+    call = lambda: _call(case, p, x, logits, (w.w13, w.w2, w.w13_bias, w.w2_bias), **groups)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (autotuning, workspaces) outside the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for prob in (q, p):
+        new_x, new_logits = tokens(prob)
+        x.copy_(new_x)
+        logits.copy_(new_logits)
+        graph.replay()
+        expected = reference(case, prob)
+        if not case.tokens_full:
+            expected = shard_tokens(expected, rank=rank, world_size=world)
+        torch.testing.assert_close(out, expected, **TOL[case.dtype])
 
 
 # -- the cases ------------------------------------------------------------------------------
@@ -202,7 +241,8 @@ def registry_case(name: str, experts_name: str) -> None:
     local = shard_experts_for_ep(p.w13, p.w2, rank=rank, world_size=world)
     ctx = BuildContext(num_experts=case.experts, num_local_experts=case.experts // world,
                        ep_group_name=dist.group.WORLD.group_name)
-    emap = expert_map(case.experts, rank=rank, world_size=world) if name == "StaticPrepareAndFinalize" else None
+    emap = (expert_map(case.experts, rank=rank, world_size=world, device=p.x.device)
+            if name == "StaticPrepareAndFinalize" else None)
     out = compose(name, experts_name, ctx)(p.x, weights, ids, local, global_num_experts=case.experts,
                                            expert_map=emap)
     torch.testing.assert_close(out, ref, **TOL[case.dtype])
@@ -211,6 +251,12 @@ def registry_case(name: str, experts_name: str) -> None:
 REGISTRY_CASES = [("StaticPrepareAndFinalize", "ReferenceExperts"), ("AllToAllPrepareAndFinalize", "GroupedExperts"),
                   ("AllToAllPrepareAndFinalize", "ReferenceExperts"),
                   ("BatchedAllToAllPrepareAndFinalize", "BatchedExperts")]
+GRAPH_CASES = [Case(f"graph-{name}-full{int(full)}-{str(dtype)[6:]}", mode, disp, tokens_full=full, dtype=dtype, tokens=tokens,
+                   routing=dict(renormalize=True))
+               for name, (mode, disp) in MODES.items() if disp != "dynamic"
+               for full in (True, False) for dtype, tokens in ((torch.float32, 8), (torch.bfloat16, 64))]
+GRAPH_CASES.append(Case("graph-ep-auto-sigmoid-grouped", "ep", None, correction_bias=True, routing=SIGMOID_GROUPED))
+CUDA_REGISTRY_CASES = [("StaticPrepareAndFinalize", "TritonExperts"), ("AllToAllPrepareAndFinalize", "TritonExperts")]
 
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "bincount")
@@ -219,12 +265,13 @@ SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
 def host_syncs(case: Case) -> list[str]:
     """The host-syncing calls one EP call of ``case`` makes after routing (agreement check off):
     data-dependent aten ops seen by a dispatch mode, and ``Tensor.tolist`` (which bypasses it).
-    The staged lowering runs directly so the mode sees inside the op."""
+    The staged lowering (the CUDA one on GPUs) runs directly so the mode sees inside the op."""
     import os
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from moe_compile.lowering.base import MoEInputs, StagedLowering
+    from moe_compile.lowering.cuda import CudaLowering
     from moe_compile.modular import ExpertWeights
     from moe_compile.ops.config import DispatcherType, MoEConfig, ParallelConfig, RoutingConfig
     from moe_compile.ops.routing import select_experts
@@ -256,7 +303,7 @@ def host_syncs(case: Case) -> list[str]:
     torch.Tensor.tolist = tolist
     try:
         with Watch():
-            StagedLowering().run(inputs, cfg)
+            (CudaLowering() if p.x.is_cuda else StagedLowering()).run(inputs, cfg)
     finally:
         torch.Tensor.tolist = tolist.__defaults__[0]
         os.environ.pop("MOE_COMPILE_DIST_CHECKS")

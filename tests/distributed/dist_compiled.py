@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dist_harness import device
+
 TOL = dict(rtol=1e-4, atol=1e-5)
 BACKEND_CASE = "mixtral-moe_npu-ep_group"
 
@@ -43,8 +45,9 @@ def _one_node_trace(kind: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group([0, 1])  # not WORLD: a group whose name is not "0"
     gen = torch.Generator().manual_seed(7)
-    x, logits = torch.randn(6, 16, generator=gen), torch.randn(6, 8, generator=gen)
-    w13_full, w2_full = torch.randn(8, 16, 16, generator=gen) * 0.25, torch.randn(8, 8, 16, generator=gen) * 0.35
+    x, logits = torch.randn(6, 16, generator=gen).to(device()), torch.randn(6, 8, generator=gen).to(device())
+    w13_full = (torch.randn(8, 16, 16, generator=gen) * 0.25).to(device())
+    w2_full = (torch.randn(8, 8, 16, generator=gen) * 0.35).to(device())
     ref = fused_moe(x, logits, 8, 2, w13_full, w2_full, renormalize=True)
     if kind == "tp":
         w = shard_for_tp(w13_full, w2_full, rank=rank, world_size=world)
@@ -102,8 +105,8 @@ def _tiny_mixtral():
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                         num_experts_per_tok=2, max_position_embeddings=64)
     torch.manual_seed(0)  # the same random weights on every rank
-    model = MixtralForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    model = MixtralForCausalLM(cfg).eval().to(device())
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1)).to(device())
     return model, ids
 
 
@@ -133,13 +136,15 @@ def _mixtral_backend() -> None:
     model, ids = _tiny_mixtral()
     with torch.no_grad():
         ref = model(ids).logits
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-        compiled = torch.compile(model, backend="moe_npu",
-                                 options={"ep_group": dist.group.WORLD, "inner_compiler": "aot_eager"})
-        torch.testing.assert_close(compiled(ids).logits, ref, **TOL)
-        rewritten = torch._dynamo.utils.counters["moe_compile"]["rewritten"]
-        assert rewritten == len(model.model.layers), "rewrote %d MoE blocks" % rewritten
+        # on GPUs also through Inductor, the default inner compiler
+        for inner in ("aot_eager",) + (("inductor",) if ids.is_cuda else ()):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(model, backend="moe_npu",
+                                     options={"ep_group": dist.group.WORLD, "inner_compiler": inner})
+            torch.testing.assert_close(compiled(ids).logits, ref, **TOL, msg=lambda m, i=inner: f"{i}: {m}")
+            rewritten = torch._dynamo.utils.counters["moe_compile"]["rewritten"]
+            assert rewritten == len(model.model.layers), "%s: rewrote %d MoE blocks" % (inner, rewritten)
 
 
 def compile_report(rank: int) -> dict:

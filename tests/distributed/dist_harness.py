@@ -1,4 +1,5 @@
-"""Run one function on W spawned gloo ranks and collect what each rank reports.
+"""Run one function on W spawned ranks (gloo on CPU, or NCCL with one GPU per rank) and collect
+what each rank reports.
 
 One spawn serves many cases: the worker runs them all and returns ``{case_id: error or None}``;
 the test then asserts on every rank's report. Rendezvous goes through a fresh ``file://`` path,
@@ -19,14 +20,27 @@ import torch.multiprocessing as mp
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-def _entry(target, rank: int, world_size: int, init_method: str, out_dir: str, args: tuple) -> None:
+def device():
+    """This rank's device: its GPU under NCCL, else the CPU (the cases build their tensors here)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _entry(target, rank: int, world_size: int, init_method: str, out_dir: str, args: tuple,
+           backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # W ranks share the CI machine's few cores
     report: dict = {}
     try:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=GROUP_TIMEOUT)
         report = target(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - the parent shows the traceback
@@ -38,12 +52,15 @@ def _entry(target, rank: int, world_size: int, init_method: str, out_dir: str, a
             dist.destroy_process_group()
 
 
-def run_workers(target, world_size: int, *args, deadline_s: float = 240.0) -> list[dict]:
-    """``target(rank, world_size, *args) -> dict`` on ``world_size`` ranks; the reports by rank."""
+def run_workers(target, world_size: int, *args, deadline_s: float = 240.0, backend: str = "gloo") -> list[dict]:
+    """``target(rank, world_size, *args) -> dict`` on ``world_size`` ranks; the reports by rank.
+    ``backend="nccl"`` puts rank r on GPU r (NVLink multicast off, as on the H200 machines)."""
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     out_dir = tempfile.mkdtemp(prefix="moe_dist_")
     init_method = "file://" + os.path.join(out_dir, "rendezvous")
-    procs = [ctx.Process(target=_entry, args=(target, r, world_size, init_method, out_dir, args))
+    procs = [ctx.Process(target=_entry, args=(target, r, world_size, init_method, out_dir, args, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()
