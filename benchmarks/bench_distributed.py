@@ -133,11 +133,13 @@ def _worker(rank, world, port, args, queue):
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 replay = _graphed(fn, device) if mode != "ep_dynamic" else None  # dynamic syncs on the host
                 ms = timed(replay or fn, args.reps, device)
+                ms_eager = timed(fn, args.reps, device) if replay is not None else ms
                 share = _comm_share(fn, device) if mode != "single" else 0.0
-                rows.append(dict(model=name, tokens=tokens, mode=mode, ms=ms, graphs=replay is not None,
+                rows.append(dict(model=name, tokens=tokens, mode=mode, ms=ms, ms_eager=ms_eager, graphs=replay is not None,
                                  comm_pct=share, rel_err_vs_single=err, rank=rank))
-                print("rank %d %s M=%d %s: %.3f ms graphs=%s comm %.1f%% err %.1e" % (
-                    rank, name, tokens, mode, ms, replay is not None, share, err), file=sys.stderr, flush=True)
+                print("rank %d %s M=%d %s: %.3f ms (eager %.3f) graphs=%s comm %.1f%% err %.1e" % (
+                    rank, name, tokens, mode, ms, ms_eager, replay is not None, share, err), file=sys.stderr,
+                    flush=True)
                 dist.barrier()
     queue.put(rows)
     dist.destroy_process_group()

@@ -239,8 +239,8 @@ def registry_case(name: str, experts_name: str) -> None:
     ref = ModularKernel(StandardPrepareAndFinalize(), GroupedExperts(ExpertsConfig()))(
         p.x, weights, ids, full, global_num_experts=case.experts)
     local = shard_experts_for_ep(p.w13, p.w2, rank=rank, world_size=world)
-    ctx = BuildContext(num_experts=case.experts, num_local_experts=case.experts // world,
-                       ep_group_name=dist.group.WORLD.group_name)
+    ctx = BuildContext(num_experts=case.experts, num_local_experts=case.experts // world, device=p.x.device,
+                       dtype=p.x.dtype, ep_group_name=dist.group.WORLD.group_name)
     emap = (expert_map(case.experts, rank=rank, world_size=world, device=p.x.device)
             if name == "StaticPrepareAndFinalize" else None)
     out = compose(name, experts_name, ctx)(p.x, weights, ids, local, global_num_experts=case.experts,

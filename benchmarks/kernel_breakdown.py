@@ -1,0 +1,83 @@
+"""Where the time of one fused_experts call goes, kernel by kernel (CUDA, diagnostic).
+
+    python benchmarks/kernel_breakdown.py [--points qwen3:1 qwen3:2048 deepseek_v3:2048]
+
+For each ``shape:M`` point: the tuned plan, the weights in HF layout (transposed views), routing of
+random logits (as ``tune_triton.py`` does), one CUDA graph over ``ROTATE`` calls profiled with
+``torch.profiler``; prints each kernel's GPU time per call, the sum, and the layer's lower bound
+(bytes of the experts hit / 4.8 TB/s vs FLOPs / 790 TFLOP/s).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES  # noqa: E402
+from tune_triton import hf_layout_weights, problem  # noqa: E402
+
+from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
+
+
+def breakdown(name: str, m: int, reps: int = 5) -> None:
+    shape = SHAPES[name]
+    weights = hf_layout_weights(shape)
+    calls = problem(shape, m, weights)
+    plan = plan_for(calls[0][0], shape.top_k, weights)
+
+    def run():
+        for x, w, ids in calls:
+            fused_experts(x, w, ids, weights, plan=plan)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_call = collections.Counter()
+    for evt in prof.key_averages():
+        if evt.self_device_time_total > 0:
+            per_call[evt.key[:60]] += evt.self_device_time_total / (reps * ROTATE)
+    hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)
+    per_expert = 3 * shape.hidden * shape.inter * 2
+    mem_us = hits * per_expert / HBM_BYTES_PER_S * 1e6
+    flop_us = 6 * m * shape.top_k * shape.hidden * shape.inter / BF16_FLOP_PER_S * 1e6
+    total = sum(per_call.values())
+    print(f"\n{name} M={m} plan={plan.path.value} g1={plan.gemm1} g2={plan.gemm2}")
+    print(f"  bound: memory {mem_us:.1f} us ({hits:.1f} experts hit), compute {flop_us:.1f} us; "
+          f"kernels sum {total:.1f} us = {total / max(mem_us, flop_us):.2f}x the bound")
+    for key, us in per_call.most_common():
+        print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {key}")
+    del weights, calls, graph
+    torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", nargs="+", default=["qwen3:1", "qwen3:256", "qwen3:2048", "mixtral:256",
+                                                        "mixtral:2048", "deepseek_v3:2048", "deepseek_v3:8192"])
+    args = parser.parse_args(argv)
+    for point in args.points:
+        name, m = point.split(":")
+        breakdown(name, int(m))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
