@@ -72,14 +72,19 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
                              "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
         return _compile_plain(gm, example_inputs, inner, config)
-    try:
-        return _compile_with_pass(gm, example_inputs, inner, config)
-    except Exception as exc:  # never break a compile that works without us
-        log.debug("moe_compile: the pass failed", exc_info=True)
-        _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiling the original graph",
-                   type(exc).__name__, exc)
-        torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
-        return _compile_plain(gm, example_inputs, inner, config)
+    from moe_compile.report import take_back, tracking
+
+    with tracking() as decisions:
+        try:
+            return _compile_with_pass(gm, example_inputs, inner, config)
+        except Exception as exc:  # never break a compile that works without us
+            log.debug("moe_compile: the pass failed", exc_info=True)
+            _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiling the original graph",
+                       type(exc).__name__, exc)
+            torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
+            take_back(decisions, "the compile failed after the rewrite (%s: %s); the original graph was "
+                      "compiled instead" % (type(exc).__name__, str(exc).split("\n")[0][:200]))
+    return _compile_plain(gm, example_inputs, inner, config)
 
 
 def _with_mode(config: BackendConfig, mode: str) -> BackendConfig:

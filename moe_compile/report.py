@@ -6,6 +6,7 @@ Each backend compile appends to the active reports (``explain`` opens one); the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import logging
 import os
@@ -17,6 +18,7 @@ import torch
 log = logging.getLogger("moe_compile")
 
 _ACTIVE: list["Report"] = []
+_TRACKING: list[list] = []
 _EXCLUDED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
@@ -52,11 +54,11 @@ class Report:
     def skipped(self) -> list[tuple[str, str]]:
         return [(b.path, b.reason) for b in self.blocks if not b.rewritten]
 
-    def add(self, decision: BlockDecision) -> None:
+    def add(self, decision: BlockDecision, *, supersede: bool = False) -> None:
         # one line per block: a later rewrite (e.g. a recompile) supersedes a skip
         for i, old in enumerate(self.blocks):
             if old.path == decision.path:
-                if decision.rewritten or not old.rewritten:
+                if supersede or decision.rewritten or not old.rewritten:
                     self.blocks[i] = decision
                 return
         self.blocks.append(decision)
@@ -100,7 +102,35 @@ def collecting():
         _ACTIVE.remove(report)
 
 
+@contextlib.contextmanager
+def tracking():
+    """The decisions recorded inside the block (to take back if the compile fails after the pass)."""
+    seen: list[BlockDecision] = []
+    _TRACKING.append(seen)
+    try:
+        yield seen
+    finally:
+        _TRACKING.remove(seen)
+
+
+def take_back(decisions: list[BlockDecision], reason: str) -> None:
+    """The compile that used these rewrites failed and the original graph was compiled instead:
+    each rewritten block becomes a skip with ``reason`` (counters and open reports alike)."""
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    for decision in decisions:
+        if not decision.rewritten:
+            continue
+        counters["rewritten"] -= 1
+        counters["skipped"] += 1
+        undone = dataclasses.replace(decision, rewritten=False, reason=reason)
+        log.warning("moe_compile: %s is not rewritten after all: %s", decision.path or "<root>", reason)
+        for report in _ACTIVE:
+            report.add(undone, supersede=True)
+
+
 def record(decision: BlockDecision) -> None:
+    for seen in _TRACKING:
+        seen.append(decision)
     counters = torch._dynamo.utils.counters["moe_compile"]
     counters["rewritten" if decision.rewritten else "skipped"] += 1
     if decision.rewritten:

@@ -136,15 +136,16 @@ def _mixtral_backend() -> None:
     model, ids = _tiny_mixtral()
     with torch.no_grad():
         ref = model(ids).logits
-        # on GPUs also through Inductor, the default inner compiler
-        for inner in ("aot_eager",) + (("inductor",) if ids.is_cuda else ()):
+        # and through Inductor, the default inner compiler (it lowers the sharded weights the graph owns)
+        for inner in ("aot_eager", "inductor"):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             compiled = torch.compile(model, backend="moe_npu",
                                      options={"ep_group": dist.group.WORLD, "inner_compiler": inner})
             torch.testing.assert_close(compiled(ids).logits, ref, **TOL, msg=lambda m, i=inner: f"{i}: {m}")
-            rewritten = torch._dynamo.utils.counters["moe_compile"]["rewritten"]
-            assert rewritten == len(model.model.layers), "%s: rewrote %d MoE blocks" % (inner, rewritten)
+            counters = torch._dynamo.utils.counters["moe_compile"]
+            assert counters["pass_failed"] == 0, "%s: the compile fell back to the original graph" % inner
+            assert counters["rewritten"] == len(model.model.layers), "%s: %s" % (inner, dict(counters))
 
 
 def compile_report(rank: int) -> dict:

@@ -71,6 +71,7 @@ def test_bad_options_surface_through_torch_compile():
         compiled(**kwargs)
 
 
+@pytest.mark.expects_fallback
 def test_exception_inside_the_pass_compiles_the_original_and_warns(monkeypatch):
     from moe_compile.passes import moe_pass
 
@@ -117,3 +118,31 @@ def test_compile_mode_is_accepted_and_checked():
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
     with pytest.raises(ValueError, match="mode"):
         moe_npu_backend(gm, [torch.ones(2)], mode="fastest")
+
+
+@pytest.mark.expects_fallback
+def test_failure_after_the_rewrite_takes_the_rewrite_back(monkeypatch):
+    """The pass rewrote a block, then the inner compile failed: the original graph is compiled
+    and the report and counters say the block was not rewritten, and why."""
+    from moe_compile.report import collecting
+
+    calls = []
+
+    def late_failure(config, before, after):
+        calls.append(1)
+        raise RuntimeError("synthetic late failure")
+
+    monkeypatch.setattr("moe_compile.backend._graphs_done", late_failure)
+    monkeypatch.setattr("moe_compile.backend._warned", set())
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad(), collecting() as report:
+        ref = model(**kwargs)
+        with pytest.warns(RuntimeWarning, match="synthetic late failure"):
+            out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})(**kwargs)
+    assert calls and torch.equal(out, ref)
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["pass_failed"] == 1 and counters["rewritten"] == 0, dict(counters)
+    assert report.rewritten == [], str(report)
+    assert report.skipped and all("compile failed after the rewrite" in reason for _, reason in report.skipped)
