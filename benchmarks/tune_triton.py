@@ -47,12 +47,23 @@ LARGE2 = [G(128, 256, 64, 8, 8, 3), G(128, 256, 64, 8, 8, 4), G(128, 256, 64, 16
           G(128, 128, 64, 8, 4, 4), G(128, 256, 64, ALL_M, 8, 3)]
 
 
-def candidates(per_expert: float, gemm: int) -> list[GemmConfig]:
+MID_EXTRA = [G(64, 128, 64, ALL_M, 8, 4), G(128, 128, 64, ALL_M, 8, 4)]
+LARGE_EXTRA = [G(64, 128, 64, ALL_M, 4, 4), G(128, 128, 64, ALL_M, 8, 4), G(64, 256, 64, 8, 8, 3)]
+
+
+def with_tma(configs: list[GemmConfig]) -> list[GemmConfig]:
+    """Each config, then its TMA twin (weights by descriptor; see kernels/triton/gemm.py)."""
+    return [c for g in configs for c in (g, replace(g, tma=1))]
+
+
+def candidates(per_expert: float, gemm: int, tma: bool = True) -> list[GemmConfig]:
     if per_expert <= 8:
-        return SMALL
-    if per_expert <= 96:
-        return MID
-    return LARGE1 if gemm == 1 else LARGE2
+        base = SMALL
+    elif per_expert <= 96:
+        base = MID + MID_EXTRA
+    else:
+        base = (LARGE1 if gemm == 1 else LARGE2) + LARGE_EXTRA
+    return with_tma(base) if tma else list(base)
 
 
 def problem(shape: Shape, m: int, weights: ExpertWeights):

@@ -178,3 +178,37 @@ def test_choose_plan_decode_uses_pairs_and_prefill_sorts():
     prefill = choose_plan(num_tokens=4096, top_k=8, num_local=128, hidden=2048, inter=768, dtype=DTYPE, device=cpu)
     assert decode.path is ExpertsPath.PAIRS
     assert prefill.path is not ExpertsPath.PAIRS
+
+
+TMA_CASES = [(Activation.SILU, False, True), (Activation.GELU, False, False), (Activation.SILU_NO_MUL, False, True),
+             (Activation.SWIGLU_OAI, True, False)]
+
+
+@pytest.mark.parametrize("path", [ExpertsPath.PAIRS, ExpertsPath.SORTED], ids=lambda p: p.value)
+@pytest.mark.parametrize("act,interleaved,bias", TMA_CASES, ids=lambda a: getattr(a, "value", str(a)))
+def test_fused_experts_tma_loads(path, act, interleaved, bias):
+    """Weight tiles (and the second GEMM's A tiles) through TMA descriptors: same results; the
+    descriptors are made for HF-layout weights and declined where the layout does not allow them
+    (interleaved gate/up, [E, K, N] storage)."""
+    from moe_compile.kernels.triton.gemm import _tma_descriptors
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, num_experts, top_k = (11, 32, 32, 6, 2) if not CUDA else (300, 256, 256, 16, 4)
+    cfg = ExpertsConfig(activation=act, gate_up_interleaved=interleaved, swiglu_limit=1.0)
+    weights = _weights(num_experts, hidden, inter, act, hf_layout=True, bias=bias, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(tokens, num_experts, top_k, gen)
+    g = (GemmConfig(16, 16, 16, 2, 4, 2, tma=1) if not CUDA else GemmConfig(64, 64, 64, 8, 4, 3, tma=1))
+    out = fused_experts(x, topk_w, topk_ids, weights, cfg, plan=Plan(path, g, g))
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, cfg))
+    n_cols = inter if act.is_gated else weights.w13.shape[2]
+    w_desc, a_desc = _tma_descriptors(x, weights.w13, g, n_cols, interleaved=interleaved, gather_a=True,
+                                      pair_blocks=False)
+    assert (w_desc is None) == interleaved and a_desc is None
+    act_rows = torch.empty(tokens * top_k, inter, device=DEV, dtype=DTYPE)
+    w_desc, a_desc = _tma_descriptors(act_rows, weights.w2, g, hidden, interleaved=False, gather_a=False,
+                                      pair_blocks=path is ExpertsPath.PAIRS)
+    assert w_desc is not None and (a_desc is None) == (path is ExpertsPath.PAIRS)
+    kn_layout = weights.w2.contiguous()  # [E, K, N] storage: N-major, no descriptor
+    assert _tma_descriptors(act_rows, kn_layout, g, hidden, interleaved=False, gather_a=False,
+                            pair_blocks=False) == (None, None)

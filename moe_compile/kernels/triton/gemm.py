@@ -19,6 +19,7 @@ strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    tma: int = 0  # 1: weight tiles (and ungathered A tiles) by TMA descriptors where the layout allows
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -74,14 +76,14 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr,
-    E_local, N, K, num_blocks_m,
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
+    E_local, N, K, num_blocks_m, N_total,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_PAD: tl.constexpr,
+    GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -112,20 +114,31 @@ def _moe_gemm_kernel(
     u_ptrs = g_ptrs + up_off * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # TMA: W is [E * N_total, K] K-major (the caller checked it), whole N-blocks inside one expert
+    w_row = e * N_total + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if A_TMA:  # ungathered rows: rows past row_end are computed and never stored
+            a = a_desc.load([row0, k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-            wg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
         else:
             kmask = (k0 + k) < K
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if W_TMA:
+            wg = w_desc.load([w_row, k0]).T
+        elif EVEN_K:
+            wg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + k) < K
             wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
         if IEEE:
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
         else:
             acc_g = tl.dot(a, wg, acc_g)
         if GATED:
-            if EVEN_K:
+            if W_TMA:
+                wu = w_desc.load([w_row + up_off, k0]).T
+            elif EVEN_K:
                 wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
             else:
                 wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
@@ -172,6 +185,34 @@ def _check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tens
         raise ValueError(f"bias must have shape {(w.shape[0], w.shape[2])}, but got {tuple(bias.shape)}.")
 
 
+def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: int, *, interleaved: bool,
+                     gather_a: bool, pair_blocks: bool):
+    """``(w_desc, a_desc)`` TMA descriptors where the config asks for them and the layout allows
+    (``None`` each otherwise): W K-major (``[E, N, K]`` storage, as HF keeps its experts), its
+    N-blocks whole inside one expert's gate or up half, 16-byte aligned rows; A only when its
+    rows are read in place (the second GEMM's sorted blocks)."""
+    on_device = a.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if not cfg.tma or not on_device:
+        return None, None
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None, None
+    num_local, k_dim, n_total = w.shape
+    esize = w.element_size()
+    w_ok = (not interleaved and w.stride(1) == 1 and w.stride(2) == k_dim and w.stride(0) == n_total * k_dim
+            and n_cols % cfg.block_n == 0 and (k_dim * esize) % 16 == 0 and w.data_ptr() % 16 == 0)
+    if not w_ok:
+        return None, None
+    w_rows = w.transpose(1, 2).reshape(num_local * n_total, k_dim)  # a view of the [E, N, K] storage
+    w_desc = TensorDescriptor.from_tensor(w_rows, [cfg.block_n, cfg.block_k])
+    a_desc = None
+    if (not gather_a and not pair_blocks and a.stride(1) == 1 and (a.stride(0) * esize) % 16 == 0
+            and a.data_ptr() % 16 == 0):
+        a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+    return w_desc, a_desc
+
+
 def moe_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, topk_ids: torch.Tensor, top_k: int,
     counts: torch.Tensor | None, sorted_pair: torch.Tensor | None, expert_map: torch.Tensor | None = None,
@@ -198,11 +239,13 @@ def moe_gemm(
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
     grid = (nbm * triton.cdiv(n_cols, cfg.block_n),)
     dummy = topk_ids
+    w_desc, a_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved, gather_a=gather_a,
+                                      pair_blocks=pair_blocks)
     _moe_gemm_kernel[grid](
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
-        topk_ids, expert_map if expert_map is not None else dummy,
-        num_local, n_cols, a.shape[1], nbm,
+        topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
+        num_local, n_cols, a.shape[1], nbm, w.shape[2],
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
         1 if interleaved else n_cols, 2 if interleaved else 1,
@@ -211,7 +254,8 @@ def moe_gemm(
         GATED=gated, ACT=act_code(experts) if experts is not None else NO_ACT, HAS_BIAS=bias is not None,
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        E_PAD=triton.next_power_of_2(num_local), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
