@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -105,7 +108,7 @@ def _modes(rank, world, w13, w2):
     }
 
 
-def _worker(rank, world, port, args, queue):
+def _worker(rank, world, port, args, rows_dir):
     from moe_compile import fused_moe
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -114,7 +117,6 @@ def _worker(rank, world, port, args, queue):
         torch.cuda.set_device(rank)
     dist.init_process_group(args.backend, init_method="tcp://127.0.0.1:%d" % port, rank=rank, world_size=world)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    rows = []
     for name in args.models:
         hidden, experts, top_k, routing, w13, w2, bias = _weights(name, args.tiny, device, dtype)
         extra = dict(routing, e_score_correction_bias=bias) if bias is not None else dict(routing)
@@ -135,14 +137,40 @@ def _worker(rank, world, port, args, queue):
                 ms = timed(replay or fn, args.reps, device)
                 ms_eager = timed(fn, args.reps, device) if replay is not None else ms
                 share = _comm_share(fn, device) if mode != "single" else 0.0
-                rows.append(dict(model=name, tokens=tokens, mode=mode, ms=ms, ms_eager=ms_eager, graphs=replay is not None,
-                                 comm_pct=share, rel_err_vs_single=err, rank=rank))
+                row = dict(model=name, tokens=tokens, mode=mode, ms=ms, ms_eager=ms_eager, graphs=replay is not None,
+                           comm_pct=share, rel_err_vs_single=err, rank=rank)
+                with open(os.path.join(rows_dir, "rank%d.jsonl" % rank), "a") as f:  # kept if a later row hangs
+                    f.write(json.dumps(row) + "\n")
                 print("rank %d %s M=%d %s: %.3f ms (eager %.3f) graphs=%s comm %.1f%% err %.1e" % (
                     rank, name, tokens, mode, ms, ms_eager, replay is not None, share, err), file=sys.stderr,
                     flush=True)
                 dist.barrier()
-    queue.put(rows)
     dist.destroy_process_group()
+
+
+LINE = re.compile(r"rank (\d+) (\S+) M=(\d+) (\S+): ([\d.]+) ms(?: \(eager ([\d.]+)\))? graphs=(\w+) "
+                  r"comm ([\d.]+)% err ([\d.e+-]+)")
+
+
+def rows_from_log(path: str) -> list[list[dict]]:
+    """The per-rank rows of a run's stderr log (the lines every rank prints as it goes)."""
+    by_rank: dict[int, list[dict]] = {}
+    for line in Path(path).read_text().splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            rank, model, tokens, mode, ms, eager, graphs, comm, err = m.groups()
+            by_rank.setdefault(int(rank), []).append(dict(
+                model=model, tokens=int(tokens), mode=mode, ms=float(ms), ms_eager=float(eager or ms),
+                graphs=graphs == "True", comm_pct=float(comm), rel_err_vs_single=float(err), rank=int(rank)))
+    return [by_rank[r] for r in sorted(by_rank)]
+
+
+def rows_from_dir(path: str, world: int) -> list[list[dict]]:
+    out = []
+    for rank in range(world):
+        f = Path(path) / ("rank%d.jsonl" % rank)
+        out.append([json.loads(line) for line in f.read_text().splitlines()] if f.exists() else [])
+    return out
 
 
 def main(argv=None) -> int:
@@ -155,35 +183,57 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--deadline-s", type=float, default=3600.0, help="kill ranks still running after this")
+    parser.add_argument("--from-log", default=None, help="only print the table of an earlier run's stderr log")
     args = parser.parse_args(argv)
+    if args.from_log:
+        return report(rows_from_log(args.from_log), args, source=args.from_log)
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     if args.device == "cuda" and torch.cuda.device_count() < args.world_size:
         print("needs %d GPUs, found %d" % (args.world_size, torch.cuda.device_count()), file=sys.stderr)
         return 2
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    rows_dir = tempfile.mkdtemp(prefix="bench_dist_")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, rows_dir))
+             for r in range(args.world_size)]
     for p in procs:
         p.start()
-    results = [queue.get() for _ in procs]
+    end = time.monotonic() + args.deadline_s
     for p in procs:
-        p.join()
-    rows = [dict(r, ms=max(o["ms"] for rr in results for o in rr  # the slowest rank's time
-                           if (o["model"], o["tokens"], o["mode"]) == (r["model"], r["tokens"], r["mode"])))
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+    return report(rows_from_dir(rows_dir, args.world_size), args, source="this run")
+
+
+def report(results: list[list[dict]], args, source: str) -> int:
+    if not results or not results[0]:
+        print("no rows (%s)" % source, file=sys.stderr)
+        return 1
+    def across(r, key, fn):
+        return fn(o[key] for rr in results for o in rr
+                  if (o["model"], o["tokens"], o["mode"]) == (r["model"], r["tokens"], r["mode"]))
+
+    rows = [dict(r, ms=across(r, "ms", max), ms_eager=across(r, "ms_eager", max), comm_pct_min=across(r, "comm_pct", min),
+                 comm_pct_max=across(r, "comm_pct", max), rel_err_vs_single=across(r, "rel_err_vs_single", max))
             for r in results[0]]
-    worst = max((r["rel_err_vs_single"] for rank_rows in results for r in rank_rows), default=0.0)
-    print("ms: the slowest rank's median; comm%: rank 0's profiled share; err: rank 0 vs single device")
-    print("%-12s %6s %-11s %9s %7s %7s %9s" % ("model", "M", "mode", "ms", "graphs", "comm%", "err"))
+    worst = max((r["rel_err_vs_single"] for r in rows), default=0.0)
+    print("ms / eager ms: the slowest rank's median with / without CUDA-graph replay; comm%: share of the "
+          "profiled GPU time in collectives, lowest and highest rank (a rank that waits for its peer counts the "
+          "wait); err: worst rank vs the single device")
+    print("%-12s %6s %-11s %9s %9s %7s %11s %9s" % ("model", "M", "mode", "ms", "eager ms", "graphs", "comm%",
+                                                    "err"))
     for r in rows:
-        print("%-12s %6d %-11s %9.3f %7s %7.1f %9.1e" % (r["model"], r["tokens"], r["mode"], r["ms"],
-                                                        "yes" if r["graphs"] else "no", r["comm_pct"],
-                                                        r["rel_err_vs_single"]))
+        comm = "%.0f-%.0f" % (r["comm_pct_min"], r["comm_pct_max"]) if r["mode"] != "single" else "-"
+        print("%-12s %6d %-11s %9.3f %9.3f %7s %11s %9.1e" % (r["model"], r["tokens"], r["mode"], r["ms"],
+                                                              r["ms_eager"], "yes" if r["graphs"] else "no", comm,
+                                                              r["rel_err_vs_single"]))
     print("worst relative error vs single device on any rank: %.2e" % worst)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "distributed.json", "w") as f:
-            json.dump({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"argv": sys.argv, "source": source, "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 
