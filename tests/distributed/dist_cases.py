@@ -10,6 +10,7 @@ bf16 ``2e-2`` (partial sums are rounded to bf16 before the reduction, as on the 
 from __future__ import annotations
 
 import dataclasses
+import traceback
 import zlib
 from dataclasses import dataclass, field
 
@@ -246,6 +247,18 @@ def registry_case(name: str, experts_name: str) -> None:
     out = compose(name, experts_name, ctx)(p.x, weights, ids, local, global_num_experts=case.experts,
                                            expert_map=emap)
     torch.testing.assert_close(out, ref, **TOL[case.dtype])
+
+
+def registry_report(pairs) -> dict:
+    """``{"registry-PF-EXPERTS": None | traceback}`` of :func:`registry_case` over ``pairs``."""
+    out = {}
+    for pf, experts in pairs:
+        try:
+            registry_case(pf, experts)
+            out[f"registry-{pf}-{experts}"] = None
+        except Exception:  # noqa: BLE001
+            out[f"registry-{pf}-{experts}"] = traceback.format_exc(limit=6)
+    return out
 
 
 REGISTRY_CASES = [("StaticPrepareAndFinalize", "ReferenceExperts"), ("AllToAllPrepareAndFinalize", "GroupedExperts"),

@@ -13,12 +13,10 @@ Skipped without two CUDA devices (CI has none); run on the 2-GPU machine with
 """
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 
-from dist_cases import CUDA_REGISTRY_CASES, GRAPH_CASES, graph_case, registry_case
+from dist_cases import CUDA_REGISTRY_CASES, GRAPH_CASES, graph_case, registry_report
 from dist_harness import failures, run_cases, run_workers
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL)")
@@ -31,12 +29,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
     report = two_rank_cases(rank, world_size)
     report.update(run_cases(GRAPH_CASES, graph_case))
-    for pf, experts in CUDA_REGISTRY_CASES:
-        try:
-            registry_case(pf, experts)
-            report[f"registry-{pf}-{experts}"] = None
-        except Exception:  # noqa: BLE001
-            report[f"registry-{pf}-{experts}"] = traceback.format_exc(limit=6)
+    report.update(registry_report(CUDA_REGISTRY_CASES))
     report["<cuda fallbacks>"] = dict(FALLBACKS)
     return report
 

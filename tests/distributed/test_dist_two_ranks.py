@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_case, run_case
+from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_report, run_case
 from dist_harness import failures, run_cases, run_workers
 
 # batched and static never wait for the host (graph-capturable); dynamic waits once, for its splits
@@ -23,12 +23,7 @@ def _worker(rank: int, world_size: int) -> dict:
     from dist_errors import error_report
 
     report = run_cases(CASES, run_case)
-    for pf, experts in REGISTRY_CASES:
-        try:
-            registry_case(pf, experts)
-            report[f"registry-{pf}-{experts}"] = None
-        except Exception:  # noqa: BLE001
-            report[f"registry-{pf}-{experts}"] = traceback.format_exc(limit=6)
+    report.update(registry_report(REGISTRY_CASES))
     for case, expected in SYNC_CASES:
         try:
             seen = host_syncs(case)
