@@ -130,12 +130,14 @@ def weight_layouts(mats: list[WeightSource], values: dict, hidden: int) -> list[
 
 
 def bias_layouts(biases: list[WeightSource], values: dict, n13: int, hidden: int):
-    """Candidate (b13, b2) pairs from [E, n] tensors."""
-    widths = {b: values[b.nodes[0]].shape[-1] if b.kind == "node" else values[b.nodes[0]].shape[-1]
-              for b in biases}
-    b13s = [b for b in biases if widths[b] == n13] + [None]
+    """Candidate (b13, b2) pairs from [E, n] tensors; a gate and an up bias of half the width
+    (separate ``Linear(bias=True)`` gate and up projections) are concatenated like their weights."""
+    widths = {b: values[b.nodes[0]].shape[-1] for b in biases}
+    halves = [b for b in biases if 2 * widths[b] == n13]
+    b13s = [b for b in biases if widths[b] == n13]
+    b13s += [WeightSource("cat", (g, u)) for g, u in itertools.permutations(halves, 2)] + [None]
     b2s = [b for b in biases if widths[b] == hidden] + [None]
-    pairs = [(a, b) for a in b13s for b in b2s if a is None or b is None or a != b]
+    pairs = [(a, b) for a in b13s for b in b2s if a is None or b is None or (a != b and b not in a.nodes)]
     pairs.sort(key=lambda p: -(p[0] is not None) - (p[1] is not None))
     return pairs
 

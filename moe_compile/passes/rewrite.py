@@ -47,22 +47,24 @@ def _call(graph: fx.Graph, target, args, template: fx.Node, kwargs=None) -> fx.N
 def _constant(gm: fx.GraphModule, tensor: torch.Tensor, template: fx.Node) -> fx.Node:
     """A tensor the rewritten graph owns (stacked or sharded expert weights), laid out once.
 
-    It is held with its last two dims swapped (contiguous) and reaches the op through a permute:
-    the op then reads the weights K-major, as it reads HF's ``[E, N, K]`` parameters, and Inductor
-    hands its fallback kernel a view instead of the constant itself (a bare constant reaches the
-    op's fake-tensor propagation as a real tensor, which Inductor's lowering rejects).
+    It reaches the op through a view (weights held with their last two dims swapped, so the op
+    reads them K-major as it reads HF's ``[E, N, K]`` parameters): Inductor then hands its fallback
+    kernel a view instead of the constant itself (a bare constant reaches the op's fake-tensor
+    propagation as a real tensor, which Inductor's lowering rejects).
     """
     name = "_moe_compile_w%d" % next(_counter)
-    swap = tensor.dim() >= 2
-    held = tensor.detach().transpose(-1, -2).contiguous() if swap else tensor.detach()
+    t = tensor.detach()
+    # weights [E, K, N]: held as [E, N, K], read through a permute; biases [E, N]: held as
+    # [E, 1, N], read through a squeeze (still contiguous, as bias consumers expect)
+    held = t.transpose(-1, -2).contiguous() if t.dim() >= 3 else t.unsqueeze(1).contiguous()
     gm.register_buffer(name, held, persistent=False)
     node = gm.graph.get_attr(name)
     fake_mode = _fake_mode(template)
     if fake_mode is not None:
         node.meta["val"] = fake_mode.from_tensor(getattr(gm, name), static_shapes=True)
-    if not swap:
-        return node
-    dims = list(range(tensor.dim() - 2)) + [tensor.dim() - 1, tensor.dim() - 2]
+    if t.dim() < 3:
+        return _call(gm.graph, aten.squeeze.dim, (node, 1), template)
+    dims = list(range(t.dim() - 2)) + [t.dim() - 1, t.dim() - 2]
     return _call(gm.graph, aten.permute.default, (node, dims), template)
 
 
