@@ -249,6 +249,29 @@ def registry_case(name: str, experts_name: str) -> None:
     torch.testing.assert_close(out, ref, **TOL[case.dtype])
 
 
+def triton_batched_case() -> None:
+    """EP batched all-to-all with the batched Triton experts (on GPUs, or under Triton's
+    interpreter on CPU) equals the single-device kernel on the full weights."""
+    from moe_compile.kernels.triton.experts import TritonBatchedExperts
+    from moe_compile.modular import ExpertWeights, GroupedExperts, ModularKernel, StandardPrepareAndFinalize
+    from moe_compile.modular.distributed_pf import BatchedAllToAllPrepareAndFinalize
+    from moe_compile.ops.config import ExpertsConfig, RoutingConfig
+    from moe_compile.ops.routing import select_experts
+
+    case = Case("triton-batched", "ep", tokens=6)
+    p = make_problem(case)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    weights, ids = select_experts(p.logits, RoutingConfig(num_experts=case.experts, top_k=case.top_k), None)
+    ref = ModularKernel(StandardPrepareAndFinalize(), GroupedExperts(ExpertsConfig()))(
+        p.x, weights, ids, ExpertWeights(p.w13, p.w2), global_num_experts=case.experts)
+    local = shard_experts_for_ep(p.w13, p.w2, rank=rank, world_size=world)
+    pf = BatchedAllToAllPrepareAndFinalize(group=dist.group.WORLD, tokens_full=True,
+                                           num_local_experts=case.experts // world)
+    out = ModularKernel(pf, TritonBatchedExperts(ExpertsConfig()))(p.x, weights, ids, local,
+                                                                   global_num_experts=case.experts)
+    torch.testing.assert_close(out, ref, **TOL[case.dtype])
+
+
 def registry_report(pairs) -> dict:
     """``{"registry-PF-EXPERTS": None | traceback}`` of :func:`registry_case` over ``pairs``."""
     out = {}
@@ -269,7 +292,8 @@ GRAPH_CASES = [Case(f"graph-{name}-full{int(full)}-{str(dtype)[6:]}", mode, disp
                for name, (mode, disp) in MODES.items() if disp != "dynamic"
                for full in (True, False) for dtype, tokens in ((torch.float32, 8), (torch.bfloat16, 64))]
 GRAPH_CASES.append(Case("graph-ep-auto-sigmoid-grouped", "ep", None, correction_bias=True, routing=SIGMOID_GROUPED))
-CUDA_REGISTRY_CASES = [("StaticPrepareAndFinalize", "TritonExperts"), ("AllToAllPrepareAndFinalize", "TritonExperts")]
+CUDA_REGISTRY_CASES = [("StaticPrepareAndFinalize", "TritonExperts"), ("AllToAllPrepareAndFinalize", "TritonExperts"),
+                       ("BatchedAllToAllPrepareAndFinalize", "TritonBatchedExperts")]
 
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "bincount")

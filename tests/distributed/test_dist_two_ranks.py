@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_report, run_case
+from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_report, run_case, triton_batched_case
 from dist_harness import failures, run_cases, run_workers
 
 # batched and static never wait for the host (graph-capturable); dynamic waits once, for its splits
@@ -24,6 +24,11 @@ def _worker(rank: int, world_size: int) -> dict:
 
     report = run_cases(CASES, run_case)
     report.update(registry_report(REGISTRY_CASES))
+    try:  # the batched Triton experts behind the EP batched all-to-all (Triton's interpreter on CPU)
+        triton_batched_case()
+        report["triton-batched-experts"] = None
+    except Exception:  # noqa: BLE001
+        report["triton-batched-experts"] = traceback.format_exc(limit=6)
     for case, expected in SYNC_CASES:
         try:
             seen = host_syncs(case)

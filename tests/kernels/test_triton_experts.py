@@ -212,3 +212,39 @@ def test_fused_experts_tma_loads(path, act, interleaved, bias):
     kn_layout = weights.w2.contiguous()  # [E, K, N] storage: N-major, no descriptor
     assert _tma_descriptors(act_rows, kn_layout, g, hidden, interleaved=False, gather_a=False,
                             pair_blocks=False) == (None, None)
+
+
+@pytest.mark.parametrize("act,bias", [(Activation.SILU, False), (Activation.GELU, True),
+                                      (Activation.RELU2_NO_MUL, True)], ids=lambda a: getattr(a, "value", str(a)))
+@pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
+def test_triton_batched_experts_match_the_torch_batched_experts(act, bias, with_map):
+    """The batched-format Triton experts in a modular kernel equal the torch ``BatchedExperts`` and
+    the standard reference; an expert that receives no rows is never read (its weights are NaN)."""
+    from moe_compile.kernels.triton.experts import TritonBatchedExperts
+    from moe_compile.modular import BatchedExperts, BatchedPrepareAndFinalize
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, hidden, inter, num_global, top_k = (10, 32, 16, 8, 2) if not CUDA else (96, 256, 128, 16, 4)
+    num_local = num_global // 2 if with_map else num_global
+    cfg = ExpertsConfig(activation=act)
+    weights = _weights(num_local, hidden, inter, act, hf_layout=True, bias=bias, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    logits = torch.randn(tokens, num_global, generator=gen)
+    logits[:, 1] = -1e4  # global expert 1 (local 1 in both layouts) never chosen
+    topk_w, topk_ids = logits.softmax(-1).topk(top_k)
+    topk_w, topk_ids = topk_w.to(DEV), topk_ids.int().to(DEV)
+    expert_map = None
+    if with_map:  # this rank owns global experts 0..3 as local 0..3
+        expert_map = torch.tensor([0, 1, 2, 3, -1, -1, -1, -1] + [-1] * (num_global - 8), dtype=torch.int32,
+                                  device=DEV)
+    w13 = weights.w13.clone()
+    w13[1] = float("nan")
+    poisoned = ExpertWeights(w13, weights.w2, weights.w13_bias, weights.w2_bias)
+    runs = {}
+    for name, experts in (("triton", TritonBatchedExperts(cfg)), ("torch", BatchedExperts(cfg))):
+        kernel = ModularKernel(BatchedPrepareAndFinalize(num_local), experts)
+        runs[name] = kernel(x, topk_w, topk_ids, poisoned if name == "triton" else weights,
+                            global_num_experts=num_global, expert_map=expert_map)
+    assert torch.isfinite(runs["triton"]).all()
+    _assert_close(runs["triton"], runs["torch"].float())
+    _assert_close(runs["triton"], _reference(x, topk_w, topk_ids, weights, cfg, expert_map, num_global))

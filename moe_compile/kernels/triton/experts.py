@@ -158,4 +158,63 @@ class TritonExperts(PermuteExpertsUnpermute):
                       out=output, weighted=not apply_router_weight_on_input)
 
 
-__all__ = ["TritonExperts", "fused_experts", "plan_for", "triton_experts_supported"]
+class TritonBatchedExperts(PermuteExpertsUnpermute):
+    """Batched-format experts (``[E_local, max_tokens, H]`` in and out) on CUDA: the same Triton
+    GEMMs as ``TritonExperts``, run over each expert's ``expert_num_tokens`` valid rows in place.
+
+    Unlike the torch ``BatchedExperts`` (two ``bmm`` over every slot of every local expert), an
+    expert with no rows costs nothing and its weights are never read; the padding slots are not
+    computed, and their output rows are zero. The grid is sized from shapes alone (at most
+    ``max_tokens * min(top_k, E_local)`` valid rows), so nothing waits for the host.
+    """
+
+    @staticmethod
+    def activation_formats():
+        return ActivationFormat.BATCHED, ActivationFormat.BATCHED
+
+    def supports_chunking(self) -> bool:
+        return False
+
+    def supports_expert_map(self) -> bool:
+        return True  # the batched prepare already placed only local pairs
+
+    def supports_device(self, device: torch.device):
+        if device.type == "cuda" or interpreting():
+            return True, ""
+        return False, f"TritonBatchedExperts runs on CUDA, not {device}"
+
+    def workspace_shapes(self, *, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+        n_act = intermediate_size(N, self.config.activation)
+        return WorkspaceShapes((0,), (local_num_experts, M, n_act), (local_num_experts, M, K))
+
+    def finalize_weight_and_reduce_impl(self):
+        from moe_compile.modular.weight_and_reduce import TopKWeightAndReduceDelegate
+
+        return TopKWeightAndReduceDelegate()
+
+    def apply(self, *, output, hidden_states, weights: ExpertWeights, topk_weights, topk_ids,
+              global_num_experts, expert_map, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        ok, reason = triton_experts_supported(hidden_states, weights)
+        if not ok:
+            raise ValueError(f"TritonBatchedExperts: {reason}.")
+        num_local, max_tokens, hidden = hidden_states.shape
+        counts = expert_tokens_meta.expert_num_tokens.to(torch.int32).contiguous()
+        top_k = topk_ids.shape[-1] if topk_ids is not None and topk_ids.dim() == 2 else num_local
+        max_rows = max_tokens * min(top_k, num_local)
+        plan = choose_plan(num_tokens=max(1, max_rows // max(top_k, 1)), top_k=top_k, num_local=num_local,
+                           hidden=hidden, inter=weights.w2.shape[1], dtype=hidden_states.dtype,
+                           device=hidden_states.device)
+        x = hidden_states.reshape(num_local * max_tokens, hidden)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        act = workspace2.view(num_local * max_tokens, -1)
+        out = output.view(num_local * max_tokens, output.shape[-1])
+        out.zero_()  # the padding slots' rows, which the GEMMs never write
+        common = dict(topk_ids=counts, top_k=1, counts=counts, sorted_pair=None, gather_a=False,
+                      row_stride=max_tokens, max_rows=max_rows)
+        moe_gemm(x, weights.w13, act, bias=weights.w13_bias, experts=self.config, config=plan.gemm1, **common)
+        moe_gemm(act, weights.w2, out, bias=weights.w2_bias, config=plan.gemm2, **common)
+
+
+__all__ = ["TritonBatchedExperts", "TritonExperts", "fused_experts", "plan_for", "triton_experts_supported"]

@@ -49,9 +49,11 @@ class GemmConfig:
 
 
 @triton.jit
-def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
-                PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
-    """(live, expert, first row, end row) of M-block ``pid_m``."""
+def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
+                PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                BATCHED: tl.constexpr):
+    """(live, expert, first row, end row) of M-block ``pid_m``; ``BATCHED``: expert ``e``'s rows
+    start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed."""
     if PAIR_BLOCKS:
         e = tl.load(ids_ptr + pid_m)
         if HAS_MAP:
@@ -66,24 +68,30 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
         blk_end = tl.cumsum(nblk, 0)
         live = pid_m < tl.sum(nblk)
         e = tl.sum((blk_end <= pid_m).to(tl.int32))
-        row_end_all = tl.cumsum(counts, 0)
         here = eo == e
         first_blk = tl.sum(tl.where(here, blk_end - nblk, 0))
-        row_end = tl.sum(tl.where(here, row_end_all, 0))
-        row0 = tl.sum(tl.where(here, row_end_all - counts, 0)) + (pid_m - first_blk) * BLOCK_M
+        if BATCHED:
+            start = e * row_stride
+            row_end = start + tl.sum(tl.where(here, counts, 0))
+        else:
+            row_end_all = tl.cumsum(counts, 0)
+            row_end = tl.sum(tl.where(here, row_end_all, 0))
+            start = tl.sum(tl.where(here, row_end_all - counts, 0))
+        row0 = start + (pid_m - first_blk) * BLOCK_M
     return live, e, row0, row_end
 
 
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
-    E_local, N, K, num_blocks_m, N_total,
+    E_local, N, K, num_blocks_m, N_total, row_stride,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    BATCHED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -92,8 +100,8 @@ def _moe_gemm_kernel(
     group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_rows
     pid_n = (pid % in_group) // group_rows
-    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local,
-                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD)
+    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
+                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
     if not live:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -217,12 +225,16 @@ def moe_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *, topk_ids: torch.Tensor, top_k: int,
     counts: torch.Tensor | None, sorted_pair: torch.Tensor | None, expert_map: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, experts: ExpertsConfig | None = None, gather_a: bool,
-    config: GemmConfig = GemmConfig(),
+    config: GemmConfig = GemmConfig(), row_stride: int = 0, max_rows: int | None = None,
 ) -> torch.Tensor:
     """One expert GEMM (see the module doc). ``counts is None`` selects pair blocks.
 
     ``experts`` given: the first GEMM (``w`` is w13, the activation is fused, ``out`` is
     ``[P, I]``); ``None``: the second GEMM (``out`` is ``[P, N]``).
+
+    ``row_stride > 0``: batched rows, expert ``e``'s ``counts[e]`` rows start at ``e * row_stride``
+    of ``a`` and ``out`` (``[E * cap, ...]`` views of the batched format; other rows are neither
+    read into a result nor written); ``max_rows`` bounds the sum of ``counts`` (sizes the grid).
     """
     pair_blocks = counts is None
     gated = experts is not None and experts.activation.is_gated
@@ -230,7 +242,9 @@ def moe_gemm(
     _check(a, w, out, bias, n_cols)
     if not pair_blocks and sorted_pair is None and gather_a:
         raise ValueError("sorted blocks with gather_a=True need sorted_pair.")
-    pairs = topk_ids.numel()
+    if row_stride and (pair_blocks or gather_a or max_rows is None):
+        raise ValueError("batched rows (row_stride > 0) need counts, gather_a=False and max_rows.")
+    pairs = max_rows if row_stride else topk_ids.numel()
     num_local = w.shape[0]
     if pairs == 0:
         return out
@@ -245,7 +259,7 @@ def moe_gemm(
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
         topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
-        num_local, n_cols, a.shape[1], nbm, w.shape[2],
+        num_local, n_cols, a.shape[1], nbm, w.shape[2], row_stride,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
         1 if interleaved else n_cols, 2 if interleaved else 1,
@@ -255,7 +269,7 @@ def moe_gemm(
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BATCHED=row_stride > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
