@@ -71,10 +71,14 @@ def _signature(cfg: MoEConfig, inputs, dispatcher: DispatcherType) -> CallSignat
 
 
 def _experts_for(pf, experts: PermuteExpertsUnpermute) -> PermuteExpertsUnpermute:
-    """The lowering's experts when their format fits the dispatcher, else the portable torch ones."""
+    """The lowering's experts when their format fits the dispatcher, else their counterpart in the
+    dispatcher's format (``for_format``; the Triton experts have one), else the portable torch ones."""
     if experts.activation_formats()[0] is pf.activation_format:
         return experts
-    substitute = (BatchedExperts if pf.activation_format is ActivationFormat.BATCHED else GroupedExperts)(experts.config)
+    substitute = experts.for_format(pf.activation_format)
+    if substitute is None:
+        batched = pf.activation_format is ActivationFormat.BATCHED
+        substitute = (BatchedExperts if batched else GroupedExperts)(experts.config)
     key = ("experts", type(experts).__name__, type(pf).__name__)
     if key not in _logged:
         _logged.add(key)

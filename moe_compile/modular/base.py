@@ -159,6 +159,11 @@ class PermuteExpertsUnpermute(abc.ABC):
             return True, ""
         return False, f"{type(self).__name__} computes in fp32/bf16/fp16, not {dtype}"
 
+    def for_format(self, fmt: ActivationFormat) -> "PermuteExpertsUnpermute | None":
+        """The same kind of experts taking ``fmt`` activations (a dispatcher of the other format
+        picks it), or None when there is none (the caller substitutes the portable torch ones)."""
+        return self if self.activation_formats()[0] is fmt else None
+
     @abc.abstractmethod
     def workspace_shapes(
         self,

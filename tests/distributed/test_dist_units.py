@@ -167,3 +167,26 @@ def test_shard_for_groups_without_groups_keeps_the_tensors():
     w13, w2, b13, b2 = _full()
     s = shard_for_groups(w13, w2, b13, b2)
     assert s.w13 is w13 and s.w2 is w2 and s.w13_bias is b13 and s.w2_bias is b2
+
+
+def test_dispatcher_format_picks_the_experts_counterpart():
+    """A batched dispatcher gets the Triton experts' batched counterpart (and a standard one the
+    standard Triton experts); experts without one fall back to the portable torch experts."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from moe_compile.kernels.triton.experts import TritonBatchedExperts, TritonExperts
+    from moe_compile.lowering.distributed import _experts_for
+    from moe_compile.modular import ActivationFormat, BatchedExperts, GroupedExperts, ReferenceExperts
+    from moe_compile.ops.config import ExpertsConfig
+
+    cfg = ExpertsConfig(activation="gelu")
+    batched, standard = (SimpleNamespace(activation_format=f) for f in (ActivationFormat.BATCHED,
+                                                                        ActivationFormat.STANDARD))
+    picked = _experts_for(batched, TritonExperts(cfg))
+    assert type(picked) is TritonBatchedExperts and picked.config == cfg
+    assert type(_experts_for(standard, TritonBatchedExperts(cfg))) is TritonExperts
+    assert type(_experts_for(batched, ReferenceExperts(cfg))) is BatchedExperts
+    assert type(_experts_for(standard, BatchedExperts(cfg))) is GroupedExperts
+    same = TritonExperts(cfg)
+    assert _experts_for(standard, same) is same

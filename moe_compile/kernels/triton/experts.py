@@ -150,6 +150,9 @@ class TritonExperts(PermuteExpertsUnpermute):
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
 
+    def for_format(self, fmt: ActivationFormat):
+        return self if fmt is ActivationFormat.STANDARD else TritonBatchedExperts(self.config)
+
     def apply(self, *, output, hidden_states, weights: ExpertWeights, topk_weights, topk_ids,
               global_num_experts, expert_map, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
@@ -191,6 +194,9 @@ class TritonBatchedExperts(PermuteExpertsUnpermute):
         from moe_compile.modular.weight_and_reduce import TopKWeightAndReduceDelegate
 
         return TopKWeightAndReduceDelegate()
+
+    def for_format(self, fmt: ActivationFormat):
+        return self if fmt is ActivationFormat.BATCHED else TritonExperts(self.config)
 
     def apply(self, *, output, hidden_states, weights: ExpertWeights, topk_weights, topk_ids,
               global_num_experts, expert_map, workspace13, workspace2, expert_tokens_meta,
