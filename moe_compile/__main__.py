@@ -1,4 +1,4 @@
-"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu}``."""
+"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu|cuda}``."""
 from __future__ import annotations
 
 import argparse
@@ -73,7 +73,7 @@ def inspect(args) -> int:
 def selfcheck(args) -> int:
     from moe_compile.tools.selfcheck import main as selfcheck_main
 
-    return selfcheck_main(["--device", args.device])
+    return selfcheck_main(["--device", args.device] + (["--interpret"] if args.interpret else []))
 
 
 def main(argv=None) -> int:
@@ -94,8 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
     p.add_argument("--dump-dir", default=None)
     p.set_defaults(fn=inspect)
-    p = sub.add_parser("selfcheck", help="check the torch_npu ops the NPU lowering uses on a real NPU")
-    p.add_argument("--device", default="npu", choices=["npu"])
+    p = sub.add_parser("selfcheck", help="check the device kernels against their references on a real NPU or GPU")
+    p.add_argument("--device", default="npu", choices=["npu", "cuda"])
+    p.add_argument("--interpret", action="store_true", help="cuda: run on the CPU under Triton's interpreter")
     p.set_defaults(fn=selfcheck)
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -1,4 +1,5 @@
-"""``python -m moe_compile selfcheck --device npu``: check the NPU path on real Ascend hardware.
+"""``python -m moe_compile selfcheck --device npu``: check the NPU path on real Ascend hardware
+(``--device cuda``: the CUDA kernels on this GPU, see ``selfcheck_cuda``).
 
 1. Every torch_npu op the lowering uses runs on the device for a few cases; its output (the part
    the docs define) is compared with the CPU emulation (``testing/npu_kernels.py``) and with the
@@ -257,10 +258,45 @@ def _torchair_compilers() -> dict:
             for mode in ("max-autotune", "npugraph_ex")}
 
 
+def cuda_main(interpret: bool) -> int:
+    """``--device cuda``: the CUDA kernels against their references (``selfcheck_cuda``)."""
+    import os
+    import subprocess
+
+    if interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # the flag must be set before triton is first imported (importing moe_compile imports it)
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        cmd = [sys.executable, "-m", "moe_compile", "selfcheck", "--device", "cuda", "--interpret"]
+        return subprocess.run(cmd, env=env).returncode
+    if not interpret and not torch.cuda.is_available():
+        print("selfcheck --device cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
+              "--interpret runs the same checks on the CPU under Triton's interpreter.", file=sys.stderr)
+        return 2
+    try:
+        import triton
+    except ImportError as exc:
+        print(f"selfcheck --device cuda needs triton ({exc}); pip install 'moe-compile[cuda]'.", file=sys.stderr)
+        return 2
+    from moe_compile.tools.selfcheck_cuda import format_checks, run_cuda_checks
+
+    device = torch.device("cpu" if interpret else "cuda")
+    where = "CPU, Triton interpreter" if interpret else torch.cuda.get_device_name(device)
+    print(f"torch {torch.__version__}, triton {triton.__version__}, device {where}")
+    checks = run_cuda_checks(device)
+    print(format_checks(checks))
+    failed = [c for c in checks if not c.ok]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed")
+    return 0 if not failed else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_compile selfcheck")
-    parser.add_argument("--device", default="npu", choices=["npu"])
+    parser.add_argument("--device", default="npu", choices=["npu", "cuda"])
+    parser.add_argument("--interpret", action="store_true",
+                        help="cuda only: run the checks on the CPU under Triton's interpreter (tests the tool)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        return cuda_main(args.interpret)
     reason = _npu_unavailable()
     if reason is not None:
         print(f"selfcheck --device {args.device} needs an Ascend NPU with torch_npu and CANN installed: {reason}.\n"

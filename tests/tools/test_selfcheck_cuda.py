@@ -1,0 +1,50 @@
+"""``selfcheck --device cuda``: every CUDA-kernel check passes (on a GPU when there is one, else
+under Triton's interpreter, which is how CI tests the tool), a wrong kernel shows as FAIL, and
+without a GPU the plain command says why and exits 2."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe_compile.tools import selfcheck_cuda  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_all_checks_pass():
+    checks = selfcheck_cuda.run_cuda_checks(DEVICE)
+    table = selfcheck_cuda.format_checks(checks)
+    assert all(c.ok for c in checks), table
+    names = {c.name for c in checks}
+    assert {"routing", "align", "experts", "batched experts", "CUDA graph"} <= names, table
+
+
+def test_a_wrong_kernel_fails(monkeypatch):
+    from moe_compile.kernels.triton import experts
+
+    real = experts.fused_experts
+
+    def off_by_a_bit(*args, **kwargs):
+        return real(*args, **kwargs) * 1.01
+
+    monkeypatch.setattr(experts, "fused_experts", off_by_a_bit)
+    checks = selfcheck_cuda.run_cuda_checks(DEVICE)
+    failed = {(c.name, c.case) for c in checks if not c.ok}
+    assert ("experts", "sorted") in failed and ("experts", "pairs") in failed, selfcheck_cuda.format_checks(checks)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_a_gpu_the_command_says_why():
+    proc = subprocess.run([sys.executable, "-m", "moe_compile", "selfcheck", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--interpret" in proc.stderr, proc.stderr
+
+
+def test_interpret_flag_runs_the_checks_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "moe_compile", "selfcheck", "--device", "cuda", "--interpret"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "8/8 checks passed" in proc.stdout, proc.stdout
