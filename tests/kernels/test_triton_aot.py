@@ -1,9 +1,10 @@
-"""The expert GEMM kernel compiles to an sm_90 (H100/H200) cubin, without a GPU.
+"""The Triton kernels compile to sm_90 (H100/H200) cubins, without a GPU.
 
 CI has no GPU, so a kernel that only ever ran under Triton's interpreter there could still fail to
 compile for the device. ``python -m moe_compile.kernels.triton.aot`` compiles the kernel's variants
 (sorted / pair blocks / batched rows, gather, bias, expert map, TMA descriptors) for Hopper with
-the ptxas shipped in the triton wheel, in a subprocess without ``TRITON_INTERPRET``. This checks
+the ptxas shipped in the triton wheel, in a subprocess without ``TRITON_INTERPRET``, and every
+kernel launch of the interpreted ``selfcheck --device cuda`` likewise. This checks
 that the code compiles, not what it computes (the interpreter tests and the H200 runs do that).
 """
 import json
@@ -42,3 +43,11 @@ def compiled():
 def test_moe_gemm_kernel_compiles_for_sm90(compiled, variant):
     size = compiled[variant]
     assert isinstance(size, int) and size > 10_000, size
+
+
+def test_every_launch_of_the_interpreted_selfcheck_compiles_for_sm90(compiled):
+    launches = {k: v for k, v in compiled.items() if k.startswith("launch ")}
+    kernels = {k.split(": ")[1] for k in launches}
+    assert {"_route_kernel", "_count_kernel", "_scatter_kernel", "_moe_gemm_kernel", "_combine_kernel"} <= kernels
+    bad = {k: v for k, v in launches.items() if not isinstance(v, int)}
+    assert not bad, bad

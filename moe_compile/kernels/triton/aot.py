@@ -1,11 +1,18 @@
-"""Compile the expert GEMM kernel's variants ahead of time for a CUDA target, without a GPU.
+"""Compile the Triton kernels ahead of time for a CUDA target, without a GPU.
 
     python -m moe_compile.kernels.triton.aot [--arch 90]
 
-Prints one JSON object: ``{variant: cubin size in bytes, or "error: ..."}``. Run it in a process
-where ``TRITON_INTERPRET`` is unset (triton must be imported in compile mode); CI's test runs it
-as a subprocess, so kernels that only ever ran under the interpreter are known to compile for
-Hopper. Needs the ptxas that ships in the triton wheel, nothing else.
+Two sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
+
+- the expert GEMM's hand-picked bf16 variants (``VARIANTS``: sorted / pair / batched rows,
+  gather, bias, expert map, TMA descriptors);
+- every kernel launch of ``selfcheck --device cuda --interpret`` (routing, alignment, the GEMMs
+  on each path, combine, the batched experts), recorded with its argument types and constexpr
+  values in a child process running under Triton's interpreter.
+
+Prints one JSON object ``{variant: cubin size in bytes, or "error: ..."}``. Run it where
+``TRITON_INTERPRET`` is unset; CI's test runs it as a subprocess, so kernels that only ever ran
+under the interpreter are known to compile for Hopper.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
@@ -29,6 +37,95 @@ VARIANTS = {
 }
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
+
+
+DTYPES = {"torch.bfloat16": "bf16", "torch.float32": "fp32", "torch.float16": "fp16", "torch.int32": "i32",
+          "torch.int64": "i64", "torch.int8": "i8", "torch.uint8": "u8", "torch.bool": "i1"}
+
+
+def _describe(value) -> dict:
+    """A launch argument as the compiler's signature needs it (recorded under the interpreter)."""
+    import torch
+
+    if value is None:
+        return {"kind": "none"}
+    if isinstance(value, torch.Tensor):
+        return {"kind": "tensor", "dtype": DTYPES[str(value.dtype)]}
+    if type(value).__name__ == "TensorDescriptor":
+        return {"kind": "desc", "dtype": DTYPES[str(value.base.dtype)], "block": list(value.block_shape)}
+    if isinstance(value, bool):
+        return {"kind": "bool", "value": value}
+    if isinstance(value, int):
+        return {"kind": "int", "value": value}
+    if isinstance(value, float):
+        return {"kind": "float", "value": value}
+    return {"kind": "other", "value": getattr(value, "value", repr(value))}
+
+
+def record_launches() -> list[dict]:
+    """Run the CUDA selfcheck under the interpreter and record every kernel launch."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from moe_compile.tools.selfcheck_cuda import run_cuda_checks
+
+    records, real_run = [], InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        records.append({"module": self.fn.__module__, "name": self.fn.__name__, "options": options,
+                        "args": {k: _describe(v) for k, v in bound.items()}})
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+    try:
+        run_cuda_checks(torch.device("cpu"))
+    finally:
+        InterpretedFunction.run = real_run
+    unique = {json.dumps(r, sort_keys=True): r for r in records}
+    return list(unique.values())
+
+
+def compile_record(record: dict, arch: int) -> int:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(record["module"]), record["name"])
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        arg = record["args"][param.name]
+        kind = arg["kind"]
+        if param.is_constexpr or kind == "none":
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = arg.get("value")
+        elif kind == "tensor":
+            signature[param.name] = "*" + arg["dtype"]
+        elif kind == "desc":
+            signature[param.name] = "tensordesc<%s[%s]>" % (arg["dtype"], ", ".join(map(str, arg["block"])))
+        elif kind == "int":
+            signature[param.name] = "i32" if -2 ** 31 <= arg["value"] < 2 ** 31 else "i64"
+        else:
+            signature[param.name] = {"float": "fp32", "bool": "i1"}[kind]
+    options = {"num_warps": 4, "num_stages": 3, **record["options"]}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    return len(compiled.asm["cubin"])
+
+
+def _recorded(root: str) -> list[dict]:
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "moe_compile.kernels.triton.aot", "--record"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError("recording the interpreter launches failed:\n" + proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def compile_variant(choice: dict, arch: int) -> int:
@@ -56,8 +153,16 @@ def compile_variant(choice: dict, arch: int) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--record", action="store_true", help="(internal) print the interpreter's launches")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if args.record:
+        if not interpreting:
+            print("--record runs under TRITON_INTERPRET=1", file=sys.stderr)
+            return 2
+        print(json.dumps(record_launches()))
+        return 0
+    if interpreting:
         print("unset TRITON_INTERPRET: the kernels must be imported in compile mode", file=sys.stderr)
         return 2
     out = {}
@@ -66,6 +171,13 @@ def main(argv=None) -> int:
             out[name] = compile_variant(dict(BASE, **extra), args.arch)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             out[name] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
+    root = str(Path(__file__).resolve().parents[3])
+    for i, record in enumerate(_recorded(root)):
+        key = "launch %d: %s" % (i, record["name"])
+        try:
+            out[key] = compile_record(record, args.arch)
+        except Exception as exc:  # noqa: BLE001
+            out[key] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
     print(json.dumps(out))
     return 0
 
