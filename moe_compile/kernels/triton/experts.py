@@ -27,6 +27,7 @@ from moe_compile.kernels.triton.combine import combine
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan
 from moe_compile.kernels.triton.gemm import moe_gemm
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
+from moe_compile.modular.experts import BatchedExperts
 from moe_compile.modular.weight_and_reduce import TopKWeightAndReduceNoOp
 from moe_compile.ops.activation import intermediate_size
 from moe_compile.ops.config import ExpertsConfig
@@ -125,6 +126,12 @@ def fused_experts(
     return combine(y, w_tk, out, pos=al.pos, weighted=weighted)
 
 
+def _cuda_or_interpreter(experts, device: torch.device) -> tuple[bool, str]:
+    if device.type == "cuda" or interpreting():
+        return True, ""
+    return False, f"{type(experts).__name__} runs on CUDA, not {device}"
+
+
 class TritonExperts(PermuteExpertsUnpermute):
     """Standard-format experts on CUDA through ``fused_experts`` (weighted and reduced inside)."""
 
@@ -139,9 +146,7 @@ class TritonExperts(PermuteExpertsUnpermute):
         return True
 
     def supports_device(self, device: torch.device):
-        if device.type == "cuda" or interpreting():
-            return True, ""
-        return False, f"TritonExperts runs on CUDA, not {device}"
+        return _cuda_or_interpreter(self, device)
 
     def workspace_shapes(self, *, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         # fused_experts sizes its own buffers from the shapes; the modular kernel's are not needed
@@ -161,7 +166,7 @@ class TritonExperts(PermuteExpertsUnpermute):
                       out=output, weighted=not apply_router_weight_on_input)
 
 
-class TritonBatchedExperts(PermuteExpertsUnpermute):
+class TritonBatchedExperts(BatchedExperts):
     """Batched-format experts (``[E_local, max_tokens, H]`` in and out) on CUDA: the same Triton
     GEMMs as ``TritonExperts``, run over each expert's ``expert_num_tokens`` valid rows in place.
 
@@ -171,29 +176,12 @@ class TritonBatchedExperts(PermuteExpertsUnpermute):
     ``max_tokens * min(top_k, E_local)`` valid rows), so nothing waits for the host.
     """
 
-    @staticmethod
-    def activation_formats():
-        return ActivationFormat.BATCHED, ActivationFormat.BATCHED
-
-    def supports_chunking(self) -> bool:
-        return False
-
-    def supports_expert_map(self) -> bool:
-        return True  # the batched prepare already placed only local pairs
-
     def supports_device(self, device: torch.device):
-        if device.type == "cuda" or interpreting():
-            return True, ""
-        return False, f"TritonBatchedExperts runs on CUDA, not {device}"
+        return _cuda_or_interpreter(self, device)
 
     def workspace_shapes(self, *, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         n_act = intermediate_size(N, self.config.activation)
         return WorkspaceShapes((0,), (local_num_experts, M, n_act), (local_num_experts, M, K))
-
-    def finalize_weight_and_reduce_impl(self):
-        from moe_compile.modular.weight_and_reduce import TopKWeightAndReduceDelegate
-
-        return TopKWeightAndReduceDelegate()
 
     def for_format(self, fmt: ActivationFormat):
         return self if fmt is ActivationFormat.BATCHED else TritonExperts(self.config)
