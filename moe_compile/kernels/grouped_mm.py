@@ -29,10 +29,15 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return False
 
 
-def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """``x_SK`` rows sorted by expert, ``offsets_E`` int32 end offsets; rows past the last are left 0."""
+def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, *,
+               zero_rest: bool = True) -> torch.Tensor:
+    """``x_SK`` rows sorted by expert, ``offsets_E`` int32 end offsets; rows past the last are 0,
+    or, with ``zero_rest=False`` (a caller that masks them itself, or knows there are none),
+    undefined: that saves a pass over the output."""
     if grouped_mm_supported(x_SK, w_EKN):
         out = torch._grouped_mm(x_SK.contiguous(), w_EKN, offs=offsets_E.to(torch.int32))
+        if not zero_rest:
+            return out
         # rows past offsets[-1] are not written by the kernel
         valid = torch.arange(x_SK.shape[0], device=x_SK.device) < offsets_E[-1]
         return torch.where(valid.unsqueeze(-1), out, 0)

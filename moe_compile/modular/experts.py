@@ -98,27 +98,31 @@ class GroupedExperts(PermuteExpertsUnpermute):
         token_of_row = order // topk
         x_SK = _scratch(workspace13, order.numel(), hidden_states.shape[1])
         torch.index_select(hidden_states, 0, token_of_row, out=x_SK)
-        weight_S = topk_weights.reshape(-1)[order].float()
-        expert_S = slots.local_expert[order].clamp(min=0)
-        h_SN = grouped_mm(x_SK, weights.w13, slots.offsets)
+        has_bias = weights.w13_bias is not None or weights.w2_bias is not None
+        expert_S = slots.local_expert[order].clamp(min=0) if has_bias else None
+        # rows past the last offset (other ranks' pairs, only with an expert_map) stay undefined
+        # through both GEMMs and are masked once, in the combine below
+        h_SN = grouped_mm(x_SK, weights.w13, slots.offsets, zero_rest=False)
         if weights.w13_bias is not None:
             h_SN = h_SN + weights.w13_bias[expert_S]
         a_SI = _scratch(workspace2, order.numel(), weights.w2.shape[1])
         a_SI.copy_(apply_activation(h_SN, self.config))
-        y_SK = grouped_mm(a_SI, weights.w2, slots.offsets)
+        y_SK = grouped_mm(a_SI, weights.w2, slots.offsets, zero_rest=False)
         if weights.w2_bias is not None:
             y_SK = y_SK + weights.w2_bias[expert_S]
-        scale_S = slots.valid[order].float()
-        if not apply_router_weight_on_input:
-            scale_S = scale_S * weight_S
-        valid_S = slots.valid[order].unsqueeze(-1)
-        y_SK = torch.where(valid_S, y_SK.float(), 0.0) * scale_S.unsqueeze(-1)
-        # unpermute with a gather and sum each token's top-k rows: deterministic, no atomics, and
-        # far cheaper on CPU than index_add_ (whose parallel scatter dominated small calls)
+        # unpermute with a gather, then weight and sum each token's top-k rows in one batched
+        # matmul (fp32): deterministic, no atomics, no [P, K] temporaries for the mask and the
+        # weights, and far cheaper on CPU than index_add_ (whose parallel scatter dominated small calls)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        y_PK = y_SK.index_select(0, inverse)
-        output.copy_(y_PK.view(num_tokens, topk, -1).sum(dim=1))
+        y_PK = y_SK.index_select(0, inverse).float()
+        scale_P = slots.valid.float()
+        if not apply_router_weight_on_input:
+            scale_P = scale_P * topk_weights.reshape(-1).float()
+        if expert_map is not None:  # other ranks' pairs: rows the grouped GEMM never wrote
+            y_PK = torch.where(slots.valid.unsqueeze(-1), y_PK, 0.0)
+        out_TK = torch.bmm(scale_P.view(num_tokens, 1, topk), y_PK.view(num_tokens, topk, -1))
+        output.copy_(out_TK.view(num_tokens, -1))
 
 
 class BatchedExperts(PermuteExpertsUnpermute):
