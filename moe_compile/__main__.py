@@ -8,16 +8,6 @@ import time
 import torch
 
 
-def _first_tensor(out):
-    for attr in ("logits", "last_hidden_state"):
-        value = getattr(out, attr, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(out, (tuple, list)):
-        return _first_tensor(out[0])
-    return out
-
-
 def _time(fn, repeats: int) -> float:
     fn()
     start = time.perf_counter()
@@ -28,7 +18,7 @@ def _time(fn, repeats: int) -> float:
 
 def demo(args) -> int:
     import moe_compile
-    from moe_compile.testing.zoo import build_inputs, build_model
+    from moe_compile.testing.zoo import build_inputs, build_model, first_tensor
 
     dtype = getattr(torch, args.dtype)
     model, inputs = build_model(args.model, dtype=dtype)
@@ -40,8 +30,8 @@ def demo(args) -> int:
     print(report)
     compiled = torch.compile(model, backend="moe_npu", options=options)
     with torch.no_grad():
-        eager_out = _first_tensor(model(**inputs))
-        compiled_out = _first_tensor(compiled(**inputs))
+        eager_out = first_tensor(model(**inputs))
+        compiled_out = first_tensor(compiled(**inputs))
         diff = (compiled_out.float() - eager_out.float()).abs().max().item()
         t_eager = _time(lambda: model(**inputs), args.repeats)
         t_compiled = _time(lambda: compiled(**inputs), args.repeats)

@@ -136,6 +136,17 @@ def redraw_parameters(model: torch.nn.Module, *, seed: int = 0) -> None:
             tensor.copy_(draw.to(tensor.dtype))
 
 
+def first_tensor(out):
+    """The main tensor of a model's output: ``logits`` / ``last_hidden_state``, else the first element."""
+    for attr in ("logits", "last_hidden_state"):
+        value = getattr(out, attr, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    if isinstance(out, (tuple, list)):
+        return first_tensor(out[0])
+    return out
+
+
 def build_inputs(model_type: str, num_tokens: int = 5, batch: int = 1, *, seed: int = 0) -> dict:
     """Example forward kwargs: ``input_ids`` LongTensor [batch, num_tokens] avoiding special ids 0-2."""
     spec = get_family(model_type)

@@ -22,6 +22,7 @@ from moe_compile.distributed import (
 from moe_compile.distributed.checks import CallSignature, _group_errors
 from moe_compile.distributed.comm import token_chunk
 from moe_compile.ops.config import DispatcherType, ParallelConfig
+from moe_compile.testing.logs import captured_logs
 
 E, H, I = 4, 16, 8
 STATIC, DYNAMIC, BATCHED = DispatcherType.STATIC, DispatcherType.DYNAMIC, DispatcherType.BATCHED
@@ -125,26 +126,12 @@ def test_dispatcher_rule_static_without_ep_or_while_capturing_and_explicit_wins(
     assert choose_dispatcher(requested=BATCHED, mode=CommMode.EP, capturing=False, **kw) is BATCHED
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_comm_mode_ep_wins_and_says_so_once():
     both = ParallelConfig(tp_group_name="tpX", ep_group_name="epX")
-    handler = _Records()
-    logger = logging.getLogger("moe_compile")  # may not propagate to the root logger (torch._logging)
-    logger.addHandler(handler)
-    try:
+    with captured_logs(logging.WARNING) as messages:
         assert comm_mode(both) == (CommMode.EP, "epX")
         assert comm_mode(both) == (CommMode.EP, "epX")
-    finally:
-        logger.removeHandler(handler)
-    assert sum("expert parallelism takes precedence" in m for m in handler.messages) == 1
+    assert sum("expert parallelism takes precedence" in m for m in messages) == 1
     assert comm_mode(ParallelConfig(tp_group_name="t")) == (CommMode.TP, "t")
 
 

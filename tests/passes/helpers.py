@@ -4,18 +4,9 @@ from __future__ import annotations
 import torch
 
 import moe_compile
+from moe_compile.testing.zoo import first_tensor  # noqa: F401  (re-exported for the pass tests)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def first_tensor(out):
-    for attr in ("logits", "last_hidden_state"):
-        value = getattr(out, attr, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    if isinstance(out, (tuple, list)):
-        return first_tensor(out[0])
-    return out
 
 
 def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

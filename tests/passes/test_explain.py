@@ -8,6 +8,7 @@ import torch
 
 import moe_compile
 from moe_compile.testing import zoo
+from moe_compile.testing.logs import captured_logs
 from moe_compile.testing.zoo_blocks import build_block_model
 
 from .helpers import explain_and_compare
@@ -34,29 +35,13 @@ def test_report_table_and_graphs(mixtral, tmp_path):
     assert "moe_compile.fused_moe" in after and "moe_compile.fused_moe" not in before
 
 
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 def test_counters_and_logging_artifact(mixtral):
     model, kwargs = mixtral
     torch._dynamo.utils.counters.clear()
-    logger = logging.getLogger("moe_compile")  # torch's logging owns it: no propagation to root
-    handler, old_level = _Collect(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with captured_logs(logging.INFO) as messages:
         moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager"})
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 2
-    assert any("rewrote model.layers.0.mlp" in m for m in handler.messages)
+    assert any("rewrote model.layers.0.mlp" in m for m in messages)
     from torch._logging._internal import log_registry
 
     assert "moe_compile" in log_registry.log_alias_to_log_qnames
