@@ -186,11 +186,17 @@ TMA_CASES = [(Activation.SILU, False, True), (Activation.GELU, False, False), (A
 
 @pytest.mark.parametrize("path", [ExpertsPath.PAIRS, ExpertsPath.SORTED], ids=lambda p: p.value)
 @pytest.mark.parametrize("act,interleaved,bias", TMA_CASES, ids=lambda a: getattr(a, "value", str(a)))
-def test_fused_experts_tma_loads(path, act, interleaved, bias):
+def test_fused_experts_tma_loads(path, act, interleaved, bias, monkeypatch):
     """Weight tiles (and the second GEMM's A tiles) through TMA descriptors: same results; the
-    descriptors are made for HF-layout weights and declined where the layout does not allow them
-    (interleaved gate/up, [E, K, N] storage)."""
+    descriptors are made for HF-layout weights and declined, saying why, where the layout does not
+    allow them (interleaved gate/up, [E, K, N] storage)."""
+    import logging
+
+    from moe_compile.kernels.triton import gemm
     from moe_compile.kernels.triton.gemm import _tma_descriptors
+    from moe_compile.testing.logs import captured_logs
+
+    monkeypatch.setattr(gemm, "_DECLINED", set())
 
     gen = torch.Generator().manual_seed(5)
     tokens, hidden, inter, num_experts, top_k = (11, 32, 32, 6, 2) if not CUDA else (300, 256, 256, 16, 4)
@@ -199,8 +205,10 @@ def test_fused_experts_tma_loads(path, act, interleaved, bias):
     x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
     topk_w, topk_ids = _routing(tokens, num_experts, top_k, gen)
     g = (GemmConfig(16, 16, 16, 2, 4, 2, tma=1) if not CUDA else GemmConfig(64, 64, 64, 8, 4, 3, tma=1))
-    out = fused_experts(x, topk_w, topk_ids, weights, cfg, plan=Plan(path, g, g))
+    with captured_logs(logging.INFO) as messages:
+        out = fused_experts(x, topk_w, topk_ids, weights, cfg, plan=Plan(path, g, g))
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, cfg))
+    assert any("TMA loads declined" in m for m in messages) == interleaved, messages
     n_cols = inter if act.is_gated else weights.w13.shape[2]
     w_desc, a_desc = _tma_descriptors(x, weights.w13, g, n_cols, interleaved=interleaved, gather_a=True,
                                       pair_blocks=False)

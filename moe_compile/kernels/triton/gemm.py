@@ -19,6 +19,7 @@ strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from moe_compile.ops.activation import apply_activation
 from moe_compile.ops.config import ExpertsConfig
 
 NO_ACT = -1
+log = logging.getLogger("moe_compile")
 
 
 @dataclass(frozen=True)
@@ -193,6 +195,16 @@ def _check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tens
         raise ValueError(f"bias must have shape {(w.shape[0], w.shape[2])}, but got {tuple(bias.shape)}.")
 
 
+_DECLINED: set[str] = set()
+
+
+def _declined(reason: str) -> None:
+    """A plan asked for TMA loads the layout cannot take: say why once; pointer loads run instead."""
+    if reason not in _DECLINED:
+        _DECLINED.add(reason)
+        log.info("moe_gemm: TMA loads declined, using pointer loads: %s", reason)
+
+
 def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: int, *, interleaved: bool,
                      gather_a: bool, pair_blocks: bool):
     """``(w_desc, a_desc)`` TMA descriptors where the config asks for them and the layout allows
@@ -205,12 +217,15 @@ def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
+        _declined("this triton has no triton.tools.tensor_descriptor")
         return None, None
     num_local, k_dim, n_total = w.shape
     esize = w.element_size()
     w_ok = (not interleaved and w.stride(1) == 1 and w.stride(2) == k_dim and w.stride(0) == n_total * k_dim
             and n_cols % cfg.block_n == 0 and (k_dim * esize) % 16 == 0 and w.data_ptr() % 16 == 0)
     if not w_ok:
+        _declined("the weights are not K-major [E, N, K] storage with whole N-blocks per gate/up half "
+                  f"(w {tuple(w.shape)} strides {w.stride()}, block_n={cfg.block_n}, interleaved={interleaved})")
         return None, None
     w_rows = w.transpose(1, 2).reshape(num_local * n_total, k_dim)  # a view of the [E, N, K] storage
     w_desc = TensorDescriptor.from_tensor(w_rows, [cfg.block_n, cfg.block_k])

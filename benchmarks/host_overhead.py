@@ -1,0 +1,86 @@
+"""Host-side (Python) cost of one fused_moe call, without a GPU.
+
+    python benchmarks/host_overhead.py
+
+Three figures, each the mean of many calls on this CPU:
+
+- ``validation + dispatch``: ``fused_moe()`` with the lowering replaced by a clone, i.e. argument
+  validation, config parsing and the ``torch.ops.moe_compile.fused_moe`` dispatch;
+- ``custom-op dispatch``: ``torch.ops.moe_compile.fused_moe`` directly, minus the op's Python body;
+- ``CUDA lowering Python``: the whole op through the CUDA lowering at a Qwen3-30B-A3B decode shape
+  (M=1, E=128, top-8, H=2048, I=768) with every Triton launch stubbed out, run in a child process
+  under ``TRITON_INTERPRET=1`` so the lowering accepts CPU tensors: our own Python around the
+  kernels, not Triton's launcher and not the kernels.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def mean_us(fn, n: int = 2000) -> float:
+    for _ in range(50):
+        fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def dispatch_figures() -> None:
+    import torch
+
+    import moe_compile.ops.custom_op as custom_op
+    from moe_compile import fused_moe
+
+    e, h, i, k = 8, 64, 32, 2
+    x, logits = torch.randn(1, h), torch.randn(1, e)
+    w13, w2 = torch.randn(e, 2 * i, h).transpose(1, 2), torch.randn(e, h, i).transpose(1, 2)
+    custom_op._run = lambda cfg, inputs: inputs.hidden_states.clone()  # the lowering, replaced
+    kw = dict(num_experts=e, top_k=k, routing_method="softmax", renormalize=True, routed_scaling_factor=1.0,
+              k_group=1, group_count=1, group_select_mode=0, normalize_sigmoid=True, scoring_after_topk=False,
+              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
+              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
+              tokens_full=True, reduce_results=True, lowering="auto")
+    whole = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True))
+    op = mean_us(lambda: torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **kw))
+    body = mean_us(lambda: custom_op.fused_moe_op._init_fn(x, logits, w13, w2, None, None, None, **kw))
+    print(f"validation + dispatch (lowering replaced by a clone): {whole:8.1f} us")
+    print(f"  of which custom-op dispatch:                        {op - body:8.1f} us")
+    print(f"  of which validation and argument parsing:           {whole - op:8.1f} us")
+
+
+def lowering_figure() -> None:
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
+        cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    from moe_compile import fused_moe
+
+    e, h, i, k = 128, 2048, 768, 8
+    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
+    w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
+    w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
+    us = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True, lowering="cuda"), 500)
+    print(f"CUDA lowering Python, Triton launches stubbed (M=1):  {us:8.1f} us")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        lowering_figure()
+        return 0
+    dispatch_figures()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, __file__], env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
