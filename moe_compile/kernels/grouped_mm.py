@@ -12,7 +12,7 @@ import torch
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int) -> tuple[int, int]:
+def cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
@@ -25,7 +25,7 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.device.type == "cpu":
         return True
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and _cuda_capability(x.device.index or 0) >= (9, 0)
+        return x.dtype == torch.bfloat16 and cuda_capability(x.device.index or 0) >= (9, 0)
     return False
 
 

@@ -55,7 +55,12 @@ class Plan:
 def device_key(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
-    name = torch.cuda.get_device_name(device)
+    return _cuda_device_key(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_key(index: int) -> str:  # cached: plans are looked up on every call
+    name = torch.cuda.get_device_name(index)
     if "H200" in name:
         return "NVIDIA_H200"
     return name.replace(" ", "_")

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from moe_compile.kernels.grouped_mm import cuda_capability
 from moe_compile.kernels.triton.align import align
 from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
@@ -58,7 +59,7 @@ def _grouped_mm_ok(x: torch.Tensor, weights: ExpertWeights) -> bool:
         return False
     if weights.w13_bias is not None or weights.w2_bias is not None:
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if cuda_capability(x.device.index or 0) < (9, 0):  # cached: this runs on every call
         return False
     for w in (weights.w13, weights.w2):
         if not (w.stride(-1) == 1 or w.stride(-2) == 1) or any(s % 8 for s in w.stride() if s != 1):
