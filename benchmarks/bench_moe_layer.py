@@ -14,6 +14,10 @@ Every timed call takes one of ``ROTATE`` different inputs in turn, so the expert
 from call to call and the weights are read from HBM, not from L2. The bound is
 ``max(bytes of the experts hit / 4.8 TB/s, 6 * M * k * H * I / 790 TFLOP/s)``, averaged over the
 rotated inputs. Prints a table, writes ``moe_layer.json`` and ``moe_layer.png`` under ``--out``.
+
+Where ``M * k >= 4096`` a *dense* column times cuBLAS doing the same FLOPs as one dense GEMM pair
+(each token repeated ``k`` times through one expert's weights): what the bound's 790 TFLOP/s
+looks like in practice for these GEMM shapes, measured in the same run.
 """
 from __future__ import annotations
 
@@ -198,7 +202,22 @@ def bound_us(block, shape: Shape, inputs) -> tuple[float, float]:
     return statistics.mean(bounds), statistics.mean(hits)
 
 
-def run_shape(shape: Shape, ms, with_hf: bool, reps: int) -> list[dict]:
+def dense_layer(block, shape: Shape, m: int):
+    """cuBLAS doing the experts' FLOPs as one dense GEMM pair: the ``M * k`` rows (each token
+    repeated ``k`` times) through expert 0's weights, with the same gate, activation and down
+    projection. A practical ceiling for the compute-bound points (it reads one expert's weights,
+    so it is no reference where weight bytes dominate)."""
+    w13, w2 = expert_views(block, shape)
+    w13_0, w2_0 = w13[0], w2[0]
+    inter = shape.inter
+
+    def layer(x):
+        h = x.repeat_interleave(shape.top_k, dim=0) @ w13_0
+        return (F.silu(h[:, :inter]) * h[:, inter:]) @ w2_0
+    return layer
+
+
+def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True) -> list[dict]:
     block = build_hf_block(shape)
     ours = our_layer(block, shape)
     hf = torch.compile(hf_routed(block, shape), dynamic=True) if with_hf else None
@@ -211,6 +230,8 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int) -> list[dict]:
             row["bound_us"], row["experts_hit"] = bound_us(block, shape, inputs)
             out = ours(inputs[0])
             row["ours_us"] = graph_time_us(ours, inputs, reps)
+            if dense and m * shape.top_k >= 4096:
+                row["dense_us"] = graph_time_us(dense_layer(block, shape, m), inputs, reps)
             if hf is not None:
                 t0 = time.perf_counter()
                 ref = hf(inputs[0])
@@ -219,6 +240,8 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int) -> list[dict]:
                 row["rel_err_vs_hf"] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         idx = MS.index(m) if m in MS else None
         row["ours_ratio"] = row["ours_us"] / row["bound_us"]
+        if "dense_us" in row:
+            row["dense_ratio"] = row["dense_us"] / row["bound_us"]
         if "hf_us" in row:
             row["hf_ratio"] = row["hf_us"] / row["bound_us"]
         if idx is not None:
@@ -233,7 +256,7 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int) -> list[dict]:
 
 
 HEADER = (f"{'shape':<12}{'M':>6}{'hit':>6}{'bound us':>10}{'ours us':>10}{'ours/bd':>9}{'hf us':>10}"
-          f"{'hf/bd':>8}{'vllm/bd':>9}{'target':>8}{'err':>9}")
+          f"{'hf/bd':>8}{'vllm/bd':>9}{'dense/bd':>9}{'target':>8}{'err':>9}")
 
 
 def format_row(r: dict) -> str:
@@ -241,7 +264,8 @@ def format_row(r: dict) -> str:
         return format(r[key], fmt) if key in r else "-"
     return (f"{r['shape']:<12}{r['M']:>6}{r['experts_hit']:>6.1f}{r['bound_us']:>10.1f}{r['ours_us']:>10.1f}"
             f"{r['ours_ratio']:>9.2f}{f('hf_us', '.1f'):>10}{f('hf_ratio', '.2f'):>8}"
-            f"{f('vllm_ratio_issue', '.2f'):>9}{r['target']:>8.2f}{f('rel_err_vs_hf', '.1e'):>9}")
+            f"{f('vllm_ratio_issue', '.2f'):>9}{f('dense_ratio', '.2f'):>9}{r['target']:>8.2f}"
+            f"{f('rel_err_vs_hf', '.1e'):>9}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -277,6 +301,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
     parser.add_argument("--no-hf", action="store_true", help="skip the HF/inductor column")
+    parser.add_argument("--no-dense", action="store_true", help="skip the cuBLAS dense-equivalent column")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
@@ -291,7 +316,7 @@ def main(argv=None) -> int:
             "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv}
     rows = []
     for name in args.shapes:
-        rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps)
+        rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense)
         with open(out / "moe_layer.json", "w") as f:  # after each shape, so a cut-short run keeps its rows
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n" + HEADER)

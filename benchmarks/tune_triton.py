@@ -9,6 +9,10 @@ GEMM1 config (GEMM2 at its default), then each GEMM2 candidate with the best GEM
 (where eligible) likewise; and the ``torch._grouped_mm`` path. The fastest plan per M goes to
 ``E{E}_H{H}_I{I}_bf16_NVIDIA_H200.json`` (read by ``kernels/triton/configs.py``);
 every timing goes to ``tune_log.json`` beside it under ``--log``.
+
+``--refine`` starts from the tuned plan of each point instead and times it side by side with its
+variants (the persistent launch, the pre-gathered first GEMM, neighbouring tiles), keeping the
+fastest.
 """
 from __future__ import annotations
 
@@ -129,6 +133,58 @@ def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: lis
     return best
 
 
+def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
+    """Plans near a tuned one: the persistent launch (plain and with a flattened tile loop), the
+    pre-gathered first GEMM, TMA twins, and a few neighbouring tiles; the pairs path gets its
+    small-tile TMA twins."""
+    if plan.path is ExpertsPath.PAIRS:
+        return [replace(plan, gemm1=g) for g in with_tma(SMALL)] + [replace(plan, gemm2=g) for g in with_tma(SMALL)]
+    g1, g2 = plan.gemm1, plan.gemm2
+    if plan.path is ExpertsPath.GROUPED_MM:  # start the Triton variants from the large tiles
+        g1, g2 = G(128, 128, 64, 8, 8, 4, tma=1), G(128, 256, 64, 8, 8, 4, tma=1)
+    base = Plan(ExpertsPath.SORTED, g1, g2)
+    out = [base]
+    for pre in (False, True):
+        for pers in (0, 1, 2):
+            out.append(replace(base, pre_gather=pre, gemm1=replace(g1, persistent=pers, tma=1)))
+    if per_expert > 32:  # two neighbouring tiles, pre-gathered and persistent with a flat tile loop
+        for t in (G(128, 128, 64, 8, 8, 3, 1, 2), G(64, 128, 64, ALL_M, 8, 4, 1, 2)):
+            out.append(replace(base, pre_gather=True, gemm1=t))
+    for pers in (1, 2):
+        out.append(replace(base, gemm2=replace(g2, persistent=pers)))
+    if per_expert > 32:
+        for t in (G(128, 256, 64, 8, 8, 3, 1), G(128, 128, 64, 8, 8, 4, 1)):
+            for pers in (0, 2):
+                out.append(replace(base, gemm2=replace(t, persistent=pers)))
+    return list(dict.fromkeys(out))
+
+
+def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: list, current: Plan,
+                 session: int) -> tuple[float, Plan]:
+    """Time the current plan and its variants in one run; GEMM1 variants first (GEMM2 fixed),
+    then GEMM2 variants with the best GEMM1 (and its pre-gather choice)."""
+    calls = problem(shape, m, weights)
+    per_expert = m * shape.top_k / shape.num_experts
+    timed = {current: time_plan(current, calls, weights, reps)}
+    variants = refine_variants(current, per_expert)
+    first = [v for v in variants if v.gemm2 == variants[0].gemm2]
+    for plan in first:
+        if plan not in timed:
+            timed[plan] = time_plan(plan, calls, weights, reps)
+    best1 = min((p for p in timed if p.path is not ExpertsPath.GROUPED_MM), key=timed.get)
+    for plan in variants:
+        if plan.gemm2 != variants[0].gemm2:
+            plan = replace(plan, gemm1=best1.gemm1, pre_gather=best1.pre_gather, path=best1.path)
+            if plan not in timed:
+                timed[plan] = time_plan(plan, calls, weights, reps)
+    for plan, us in timed.items():
+        log.append(dict(plan.to_dict(), shape=shape.name, M=m, us=us, session=session, current=plan == current))
+    best = min(timed, key=timed.get)
+    print(f"  {shape.name} M={m}: current {timed[current]:.1f} us -> best {timed[best]:.1f} us "
+          f"{best.path.value} pre_gather={best.pre_gather} g1={best.gemm1} g2={best.gemm2}", flush=True)
+    return timed[best], best
+
+
 def hf_layout_weights(shape: Shape) -> ExpertWeights:
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, h, i = shape.num_experts, shape.hidden, shape.inter
@@ -145,6 +201,10 @@ def main(argv=None) -> int:
     parser.add_argument("--log", default=None, help="where to write every timing (JSON)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
+    parser.add_argument("--refine", action="store_true",
+                        help="start from each point's tuned plan and time its variants (persistent, "
+                             "pre-gathered, neighbouring tiles) side by side with it; keep the fastest")
+    parser.add_argument("--session", type=int, default=0, help="(refine) a tag for the log rows")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out = Path(args.out)
@@ -160,15 +220,22 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.budget_s:
                 print(f"  budget spent: {name} M={m} not tuned", flush=True)
                 continue
-            us, plan = tune_point(shape, m, weights, args.reps, log)
+            if args.refine and str(m) in table:
+                us, plan = refine_point(shape, m, weights, args.reps, log, Plan.from_dict(table[str(m)]),
+                                        args.session)
+            else:
+                us, plan = tune_point(shape, m, weights, args.reps, log)
             table[str(m)] = dict(plan.to_dict(), us=round(us, 1))
-        table["_note"] = f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, torch {torch.__version__}"
-        path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: (kv[0].startswith("_"), int(kv[0]) if kv[0].isdigit() else 0))), indent=1))
+            table["_note"] = (f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, "
+                              f"torch {torch.__version__}")
+            # after each point, so a run cut short keeps what it measured
+            path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: (
+                kv[0].startswith("_"), int(kv[0]) if kv[0].isdigit() else 0))), indent=1))
+            if args.log:
+                Path(args.log).write_text(json.dumps(log, indent=0))
         print("wrote", path, flush=True)
         del weights
         torch.cuda.empty_cache()
-    if args.log:
-        Path(args.log).write_text(json.dumps(log, indent=0))
     print(f"tuning took {time.perf_counter() - start:.0f} s")
     return 0
 

@@ -5,7 +5,8 @@
 Two sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
 
 - the expert GEMM's hand-picked bf16 variants (``VARIANTS``: sorted / pair / batched rows,
-  gather, bias, expert map, TMA descriptors);
+  gather, bias, expert map, TMA descriptors, the persistent kernel with and without a flattened
+  tile loop);
 - every kernel launch of ``selfcheck --device cuda --interpret`` (routing, alignment, the GEMMs
   on each path, combine, the batched experts), recorded with its argument types and constexpr
   values in a child process running under Triton's interpreter.
@@ -34,6 +35,11 @@ VARIANTS = {
     "batched-gemm1": dict(GATHER_A=False, BATCHED=True),
     "batched-gemm2-tma": dict(GATHER_A=False, GATED=False, ACT=-1, BATCHED=True, W_TMA=True, A_TMA=True,
                               w_desc=DESC, a_desc=DESC),
+    "persistent-gemm1-pregathered-tma": dict(kernel="persistent", FLATTEN=False, GATHER_A=False, W_TMA=True,
+                                             A_TMA=True, w_desc=DESC, a_desc=DESC),
+    "persistent-flat-gemm1": dict(kernel="persistent", FLATTEN=True),
+    "persistent-flat-gemm2-tma": dict(kernel="persistent", FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
+                                      W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
@@ -133,8 +139,9 @@ def compile_variant(choice: dict, arch: int) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from moe_compile.kernels.triton.gemm import _moe_gemm_kernel as fn
+    from moe_compile.kernels.triton import gemm
 
+    fn = gemm._moe_gemm_persistent_kernel if choice.get("kernel") == "persistent" else gemm._moe_gemm_kernel
     signature, constexprs = {}, {}
     for param in fn.params:
         name = param.name

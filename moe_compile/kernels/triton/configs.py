@@ -8,7 +8,8 @@ stages). The entry whose ``M`` is nearest on a log scale is used.
 Paths:
 
 - ``pairs``: one M-block per (token, expert) pair, no sorting kernels (decode with many experts);
-- ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused;
+- ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused
+  (``pre_gather``: the token rows are gathered into expert order by the alignment pass first);
 - ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on
   sm90), the activation as a separate Triton pass (bf16 without biases only).
 """
@@ -41,15 +42,22 @@ class Plan:
     path: ExpertsPath
     gemm1: GemmConfig
     gemm2: GemmConfig
+    # sorted path: the alignment pass also gathers the token rows into expert order, so GEMM1 reads
+    # contiguous rows (by TMA where gemm1.tma) instead of gathering them inside its K-loop
+    pre_gather: bool = False
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
 
-        return {"path": self.path.value, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        d = {"path": self.path.value, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
+        if self.pre_gather:
+            d["pre_gather"] = 1
+        return d
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
-        return Plan(ExpertsPath(d["path"]), GemmConfig.from_dict(d["gemm1"]), GemmConfig.from_dict(d["gemm2"]))
+        return Plan(ExpertsPath(d["path"]), GemmConfig.from_dict(d["gemm1"]), GemmConfig.from_dict(d["gemm2"]),
+                    bool(d.get("pre_gather", 0)))
 
 
 def device_key(device: torch.device) -> str:

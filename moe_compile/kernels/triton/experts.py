@@ -6,7 +6,7 @@
 path            kernels                                                         when
 ==============  ==============================================================  ===============
 ``pairs``       gemm1(act) -> gemm2 -> combine                                  decode, many E
-``sorted``      count -> scatter -> gemm1(act) -> gemm2 -> combine              Triton GEMMs
+``sorted``      count -> scatter(+gather) -> gemm1(act) -> gemm2 -> combine     Triton GEMMs
 ``grouped_mm``  count -> scatter+gather -> _grouped_mm -> act -> _grouped_mm    CUTLASS GEMMs
                 -> combine
 ==============  ==============================================================  ===============
@@ -118,10 +118,11 @@ def fused_experts(
         moe_gemm(act, weights.w2, y, counts=None, sorted_pair=None, bias=weights.w2_bias, gather_a=False,
                  config=plan.gemm2, **common)
         return combine(y, w_tk, out, topk_ids=ids, expert_map=expert_map, num_local=num_local, weighted=weighted)
-    al = align(ids, num_local, expert_map)
+    al = align(ids, num_local, expert_map, x=x if plan.pre_gather else None)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    moe_gemm(x, weights.w13, act, counts=al.counts, sorted_pair=al.sorted_pair, bias=weights.w13_bias,
-             experts=config, gather_a=True, config=plan.gemm1, **common)
+    a1 = al.x_sorted if plan.pre_gather else x
+    moe_gemm(a1, weights.w13, act, counts=al.counts, sorted_pair=al.sorted_pair, bias=weights.w13_bias,
+             experts=config, gather_a=not plan.pre_gather, config=plan.gemm1, **common)
     moe_gemm(act, weights.w2, y, counts=al.counts, sorted_pair=al.sorted_pair, bias=weights.w2_bias,
              gather_a=False, config=plan.gemm2, **common)
     return combine(y, w_tk, out, pos=al.pos, weighted=weighted)

@@ -19,6 +19,7 @@ strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     tma: int = 0  # 1: weight tiles (and ungathered A tiles) by TMA descriptors where the layout allows
+    persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -84,28 +86,17 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
 
 
 @triton.jit
-def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
-    E_local, N, K, num_blocks_m, N_total, row_stride,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+def _gemm_tile(
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
-    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    BATCHED: tl.constexpr,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    A_TMA: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_rows
-    pid_n = (pid % in_group) // group_rows
-    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
-    if not live:
-        return
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``: rows ``row0 ..`` (stored below
+    ``row_end``), output columns block ``pid_n``."""
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     if GATHER_A:
@@ -170,6 +161,70 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of tile ``tile``: ``GROUP_M`` M-blocks share each N-block in turn."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    group_rows = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_rows
+    pid_n = (tile % in_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
+    E_local, N, K, num_blocks_m, N_total, row_stride,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    BATCHED: tl.constexpr,
+):
+    """One program per (M-block, N-block) of the upper bound on M-blocks; dead blocks return."""
+    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
+                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+    if not live:
+        return
+    _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+               N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+               stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+               EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
+
+
+@triton.jit
+def _moe_gemm_persistent_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
+    E_local, N, K, num_progs, N_total, row_stride,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    BATCHED: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """``num_progs`` programs (about one per SM) walk the live tiles only, counted on the device
+    from the expert counts (sorted or batched blocks; ``FLATTEN`` lets the compiler overlap one
+    tile's epilogue with the next tile's loads)."""
+    eo = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+    live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), live_m * num_pid_n, num_progs, flatten=FLATTEN):
+        pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
+        live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
+                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
+                   HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
+
+
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
     """An upper bound on the M-blocks (every expert adds at most one partial block)."""
     if pair_blocks:
@@ -193,6 +248,18 @@ def _check(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias: torch.Tens
         raise TypeError(f"a.dtype={a.dtype} must equal w.dtype={w.dtype}.")
     if bias is not None and tuple(bias.shape) != (w.shape[0], w.shape[2]):
         raise ValueError(f"bias must have shape {(w.shape[0], w.shape[2])}, but got {tuple(bias.shape)}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM (4 under the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 _DECLINED: set[str] = set()
@@ -247,6 +314,10 @@ def moe_gemm(
     ``experts`` given: the first GEMM (``w`` is w13, the activation is fused, ``out`` is
     ``[P, I]``); ``None``: the second GEMM (``out`` is ``[P, N]``).
 
+    ``config.persistent``: sorted or batched blocks run on about one program per SM, each walking
+    the live tiles (the grid no longer carries the dead blocks of the upper bound); pair blocks
+    ignore it.
+
     ``row_stride > 0``: batched rows, expert ``e``'s ``counts[e]`` rows start at ``e * row_stride``
     of ``a`` and ``out`` (``[E * cap, ...]`` views of the batched format; other rows are neither
     read into a result nor written); ``max_rows`` bounds the sum of ``counts`` (sizes the grid).
@@ -266,15 +337,21 @@ def moe_gemm(
     interleaved = gated and experts.gate_up_interleaved
     cfg = config
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
-    grid = (nbm * triton.cdiv(n_cols, cfg.block_n),)
+    tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
+    persistent = bool(cfg.persistent) and not pair_blocks
+    if persistent:
+        programs = min(tiles, num_programs(a.device))
+        kernel, grid, extra = _moe_gemm_persistent_kernel, (programs,), dict(FLATTEN=cfg.persistent > 1)
+    else:
+        programs, kernel, grid, extra = nbm, _moe_gemm_kernel, (tiles,), {}
     dummy = topk_ids
     w_desc, a_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved, gather_a=gather_a,
                                       pair_blocks=pair_blocks)
-    _moe_gemm_kernel[grid](
+    kernel[grid](
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
         topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
-        num_local, n_cols, a.shape[1], nbm, w.shape[2], row_stride,
+        num_local, n_cols, a.shape[1], programs, w.shape[2], row_stride,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
         1 if interleaved else n_cols, 2 if interleaved else 1,
@@ -284,7 +361,7 @@ def moe_gemm(
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
-        BATCHED=row_stride > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BATCHED=row_stride > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out
 
