@@ -156,6 +156,15 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
         for t in (G(128, 256, 64, 8, 8, 3, 1), G(128, 128, 64, 8, 8, 4, 1)):
             for pers in (0, 2):
                 out.append(replace(base, gemm2=replace(t, persistent=pers)))
+    # short tails as smaller tiles, on the tuned plan's own GEMMs (pre-gather and persistence kept)
+    tails = sorted({max(16, g1.block_m // 4), g1.block_m // 2} - {g1.block_m})
+    for tail in tails:
+        out.append(replace(plan, path=ExpertsPath.SORTED, gemm1=replace(g1, tail_m=tail)))
+        out.append(replace(plan, path=ExpertsPath.SORTED, gemm1=replace(g1, tail_m=tail, persistent=1),
+                           pre_gather=True))
+    for tail in sorted({max(16, g2.block_m // 4), g2.block_m // 2} - {g2.block_m}):
+        for pers in (0, 2):
+            out.append(replace(plan, path=ExpertsPath.SORTED, gemm2=replace(g2, tail_m=tail, persistent=pers)))
     return list(dict.fromkeys(out))
 
 

@@ -310,3 +310,34 @@ def test_persistent_batched_gemm_matches_the_grid_launch():
         torch.testing.assert_close(outs[1][rows].float(), ref, rtol=tol, atol=tol)
         torch.testing.assert_close(outs[1][rows], outs[0][rows])
         assert torch.isnan(outs[1][e * cap + c:(e + 1) * cap]).all()  # padding rows are never written
+
+
+@pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
+@pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
+@pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
+def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
+    """``tail_m``: an expert's last block with few rows runs as a smaller tile (pointer loads for
+    A); experts here get full blocks, tails under and over ``tail_m`` rows, and no rows at all."""
+    from dataclasses import replace
+
+    tokens, hidden, inter, num_experts, top_k = (37, 32, 32, 5, 2) if not CUDA else (1500, 256, 256, 16, 4)
+    base = TINY if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3)
+    g = replace(base, persistent=persistent, tma=1, tail_m=base.block_m // 2)
+    num_global = num_experts + 2 if with_map else num_experts
+    for seed in range(100):  # the first routing with every kind of block in it
+        gen = torch.Generator().manual_seed(seed)
+        topk_w, topk_ids = _routing(tokens, num_global, top_k, gen)
+        counts = torch.bincount(topk_ids.flatten().long().cpu(), minlength=num_global)[:num_experts]
+        rem = counts % g.block_m
+        if ((rem > 0) & (rem <= g.tail_m)).any() and (rem > g.tail_m).any() and (counts > g.block_m).any():
+            break
+    else:
+        raise AssertionError("no routing with short tails, long tails and full blocks")
+    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    expert_map = None
+    if with_map:
+        expert_map = torch.tensor(list(range(num_experts)) + [-1, -1], dtype=torch.int32, device=DEV)
+    plan = Plan(ExpertsPath.SORTED, g, g, pre_gather=pre_gather)
+    out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, num_global))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False)
+            A_TMA=False, BATCHED=False, TAIL_M=0)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
@@ -38,6 +38,10 @@ VARIANTS = {
     "persistent-gemm1-pregathered-tma": dict(kernel="persistent", FLATTEN=False, GATHER_A=False, W_TMA=True,
                                              A_TMA=True, w_desc=DESC, a_desc=DESC),
     "persistent-flat-gemm1": dict(kernel="persistent", FLATTEN=True),
+    "sorted-gemm1-tail": dict(BLOCK_M=128, TAIL_M=32, W_TMA=True, w_desc=DESC),
+    "persistent-gemm2-tail-tma": dict(kernel="persistent", FLATTEN=False, BLOCK_M=128, TAIL_M=64, GATHER_A=False,
+                                      GATED=False, ACT=-1, W_TMA=True, A_TMA=True, w_desc=DESC,
+                                      a_desc="tensordesc<bf16[128, 64]>"),
     "persistent-flat-gemm2-tma": dict(kernel="persistent", FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }

@@ -46,6 +46,7 @@ class GemmConfig:
     num_stages: int = 3
     tma: int = 0  # 1: weight tiles (and ungathered A tiles) by TMA descriptors where the layout allows
     persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
+    tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -162,6 +163,31 @@ def _gemm_tile(
 
 
 @triton.jit
+def _block_tile(
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, TAIL_M: tl.constexpr,
+):
+    """An M-block's tile; with ``TAIL_M`` an expert's last block holding at most ``TAIL_M`` rows
+    runs as a ``TAIL_M``-row tile (A by pointer loads), so a block that is mostly padding costs
+    a fraction of a full one."""
+    if TAIL_M > 0 and row_end - row0 <= TAIL_M:
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+                   EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA, False)
+    else:
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+                   EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
+
+
+@triton.jit
 def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of tile ``tile``: ``GROUP_M`` M-blocks share each N-block in turn."""
     in_group = GROUP_M * num_pid_n
@@ -182,7 +208,7 @@ def _moe_gemm_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    BATCHED: tl.constexpr,
+    BATCHED: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     """One program per (M-block, N-block) of the upper bound on M-blocks; dead blocks return."""
     pid_m, pid_n = _grouped_pid(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -190,10 +216,10 @@ def _moe_gemm_kernel(
                                          PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
     if not live:
         return
-    _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-               N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-               stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
-               EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
+    _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+                EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
 
 
 @triton.jit
@@ -206,7 +232,7 @@ def _moe_gemm_persistent_kernel(
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    BATCHED: tl.constexpr, FLATTEN: tl.constexpr,
+    BATCHED: tl.constexpr, TAIL_M: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """``num_progs`` programs (about one per SM) walk the live tiles only, counted on the device
     from the expert counts (sorted or batched blocks; ``FLATTEN`` lets the compiler overlap one
@@ -219,10 +245,10 @@ def _moe_gemm_persistent_kernel(
         pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                              PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
-        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                   HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
+        _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
+                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -361,7 +387,8 @@ def moe_gemm(
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
-        BATCHED=row_stride > 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out
 
