@@ -1,6 +1,6 @@
 """Where the time of one fused_experts call goes, kernel by kernel (CUDA, diagnostic).
 
-    python benchmarks/kernel_breakdown.py [--points qwen3:1 qwen3:2048 deepseek_v3:2048]
+    python benchmarks/kernel_breakdown.py [--points qwen3:1 qwen3:2048 deepseek_v3:2048] [--layer]
 
 For each ``shape:M`` point: the tuned plan, the weights in HF layout (transposed views), routing of
 random logits (as ``tune_triton.py`` does), one CUDA graph over ``ROTATE`` calls profiled with
@@ -25,15 +25,31 @@ from tune_triton import hf_layout_weights, problem  # noqa: E402
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
 
 
-def breakdown(name: str, m: int, reps: int = 5) -> None:
+def breakdown(name: str, m: int, reps: int = 5, layer: bool = False) -> None:
     shape = SHAPES[name]
-    weights = hf_layout_weights(shape)
-    calls = problem(shape, m, weights)
-    plan = plan_for(calls[0][0], shape.top_k, weights)
+    if layer:  # the whole layer as bench_moe_layer times it: router linear + fused_moe
+        from bench_moe_layer import build_hf_block, our_layer
 
-    def run():
-        for x, w, ids in calls:
-            fused_experts(x, w, ids, weights, plan=plan)
+        block = build_hf_block(shape)
+        ours = our_layer(block, shape)
+        gen = torch.Generator(device="cuda").manual_seed(m)
+        inputs = [torch.randn(m, shape.hidden, device="cuda", generator=gen).bfloat16() for _ in range(ROTATE)]
+        weights = calls = plan = None
+
+        def run():
+            with torch.no_grad():
+                for x in inputs:
+                    ours(x)
+        hits = _hits_of(block, shape, inputs)
+    else:
+        weights = hf_layout_weights(shape)
+        calls = problem(shape, m, weights)
+        plan = plan_for(calls[0][0], shape.top_k, weights)
+        hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)
+
+        def run():
+            for x, w, ids in calls:
+                fused_experts(x, w, ids, weights, plan=plan)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -46,6 +62,13 @@ def breakdown(name: str, m: int, reps: int = 5) -> None:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_us = start.elapsed_time(end) * 1e3 / (reps * ROTATE)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
@@ -54,28 +77,38 @@ def breakdown(name: str, m: int, reps: int = 5) -> None:
     for evt in prof.key_averages():
         if evt.self_device_time_total > 0:
             per_call[evt.key[:60]] += evt.self_device_time_total / (reps * ROTATE)
-    hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)
     per_expert = 3 * shape.hidden * shape.inter * 2
     mem_us = hits * per_expert / HBM_BYTES_PER_S * 1e6
     flop_us = 6 * m * shape.top_k * shape.hidden * shape.inter / BF16_FLOP_PER_S * 1e6
     total = sum(per_call.values())
-    print(f"\n{name} M={m} plan={plan.path.value} g1={plan.gemm1} g2={plan.gemm2}")
+    what = "layer (router linear + fused_moe)" if layer else f"plan={plan.path.value} g1={plan.gemm1} g2={plan.gemm2}"
+    print(f"\n{name} M={m} {what}")
     print(f"  bound: memory {mem_us:.1f} us ({hits:.1f} experts hit), compute {flop_us:.1f} us; "
-          f"kernels sum {total:.1f} us = {total / max(mem_us, flop_us):.2f}x the bound")
+          f"kernels sum {total:.1f} us = {total / max(mem_us, flop_us):.2f}x the bound; graph replay "
+          f"{replay_us:.1f} us per call (the rest is gaps between kernels)")
     for key, us in per_call.most_common():
         print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {key}")
     del weights, calls, graph
     torch.cuda.empty_cache()
 
 
+def _hits_of(block, shape, inputs) -> float:
+    from bench_moe_layer import bound_us
+
+    with torch.no_grad():
+        return bound_us(block, shape, inputs)[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--points", nargs="+", default=["qwen3:1", "qwen3:256", "qwen3:2048", "mixtral:256",
                                                         "mixtral:2048", "deepseek_v3:2048", "deepseek_v3:8192"])
+    parser.add_argument("--layer", action="store_true",
+                        help="profile the whole layer (router linear + fused_moe on an HF block's weights)")
     args = parser.parse_args(argv)
     for point in args.points:
         name, m = point.split(":")
-        breakdown(name, int(m))
+        breakdown(name, int(m), layer=args.layer)
     return 0
 
 
