@@ -59,6 +59,18 @@ def test_align_expert_map_drops_remote_pairs_and_gathers_rows():
     assert torch.equal(al.x_sorted[al.pos[rows].long()], x[token[rows]])
 
 
+@pytest.mark.parametrize("hidden", [24, 600, 1100], ids=["one-chunk", "two-chunks", "three-ragged-chunks"])
+def test_gathered_rows_split_over_hidden(hidden):
+    """The row copy is split over H (about 512 columns per program): every column of every local
+    pair's row arrives, whatever H is, also past the last full chunk."""
+    ids = _random_ids(70, 16, 4, seed=hidden)
+    x = torch.randn(70, hidden, device=DEV)
+    al = align(ids, 16, x=x)
+    _check(al, align_reference(ids, 16, x=x), ids, 16)
+    token = torch.arange(ids.numel(), device=DEV) // 4
+    assert torch.equal(al.x_sorted[al.pos.long()], x[token])
+
+
 def test_align_rejects_bad_ids():
     with pytest.raises(TypeError, match="int32"):
         align(torch.zeros(3, 2, dtype=torch.int64, device=DEV), 4)

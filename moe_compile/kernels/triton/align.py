@@ -8,7 +8,8 @@ Two launches (plus a memset of the ``E`` counters):
 2. ``_scatter_kernel``: every program derives the experts' start rows from the ``E`` counts
    (exclusive prefix sum), puts each pair at ``start[expert] + rank`` and records the inverse
    permutation ``pos`` (-1 for non-local pairs); program 0 also writes the inclusive offsets that
-   ``torch._grouped_mm`` takes. Optionally the same pass gathers the token rows into expert order.
+   ``torch._grouped_mm`` takes. Optionally the same pass gathers the token rows into expert order
+   (the grid's second axis splits the row copy over H, about 512 columns per program).
 
 The sorted list is exactly ``P`` long: there is no per-expert block padding. GEMM kernels find
 their expert and row range from the counts themselves (``gemm.py``), so partial blocks are masked,
@@ -58,30 +59,35 @@ def _count_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, P, E_local,
 
 @triton.jit
 def _scatter_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, sorted_ptr, pos_ptr, offsets_ptr,
-                    x_ptr, xs_ptr, P, E_local, H, stride_x, stride_xs,
+                    x_ptr, xs_ptr, P, E_local, H, CHUNK_H, stride_x, stride_xs,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATHER: tl.constexpr,
                     E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program ``(i, j)``: pairs block ``i``; the ``j == 0`` programs write the permutation, and
+    with ``GATHER`` program ``j`` copies columns ``[j * CHUNK_H, (j + 1) * CHUNK_H)`` of the rows."""
     pid = tl.program_id(0)
+    hid = tl.program_id(1)
     eo = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
     ends = tl.cumsum(counts, 0)
     starts = ends - counts
-    if pid == 0:
-        tl.store(offsets_ptr + eo, ends, mask=eo < E_local)
     p = pid * BLOCK + tl.arange(0, BLOCK)
     pmask = p < P
     e, valid = _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP)
     rank = tl.load(rank_ptr + p, mask=pmask, other=0)
     start = tl.sum(tl.where(eo[None, :] == e[:, None], starts[None, :], 0), axis=1)
     row = start + rank
-    tl.store(sorted_ptr + row, p, mask=valid)
-    tl.store(pos_ptr + p, tl.where(valid, row, -1), mask=pmask)
+    if hid == 0:
+        if pid == 0:
+            tl.store(offsets_ptr + eo, ends, mask=eo < E_local)
+        tl.store(sorted_ptr + row, p, mask=valid)
+        tl.store(pos_ptr + p, tl.where(valid, row, -1), mask=pmask)
     if GATHER:
         src = x_ptr + (p // TOP_K)[:, None].to(tl.int64) * stride_x
         dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
-        for h0 in range(0, H, BLOCK_H):
+        h_end = tl.minimum(H, (hid + 1) * CHUNK_H)
+        for h0 in range(hid * CHUNK_H, h_end, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)[None, :]
-            m = valid[:, None] & (h < H)
+            m = valid[:, None] & (h < h_end)
             tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
 
 
@@ -122,14 +128,20 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     _count_kernel[grid](topk_ids, expert_map if has_map else topk_ids, counts, rank, pairs, num_local,
                         HAS_MAP=has_map, BLOCK=block, num_warps=4)
     e_pad = triton.next_power_of_2(num_local)
-    scatter_block = max(16, min(block, 8192 // e_pad))
     hidden = 0 if x is None else x.shape[1]
-    _scatter_kernel[(triton.cdiv(pairs, scatter_block),)](
+    if x is None:
+        scatter_block, block_h, chunk_h = max(16, min(block, 8192 // e_pad)), 16, 0
+    else:  # the row copy is split over H too, so even a few hundred pairs fill the GPU
+        scatter_block = max(16, min(64, 8192 // e_pad))
+        block_h = max(16, min(256, triton.next_power_of_2(hidden)))
+        chunk_h = triton.cdiv(triton.cdiv(hidden, triton.cdiv(hidden, 512)), block_h) * block_h
+    grid = (triton.cdiv(pairs, scatter_block), triton.cdiv(hidden, chunk_h) if x is not None else 1)
+    _scatter_kernel[grid](
         topk_ids, expert_map if has_map else topk_ids, counts, rank, sorted_pair, pos, offsets,
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
-        0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
+        chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
         TOP_K=top_k, HAS_MAP=has_map, GATHER=x is not None, E_PAD=e_pad, BLOCK=scatter_block,
-        BLOCK_H=max(16, min(1024, 8192 // scatter_block)), num_warps=4)
+        BLOCK_H=block_h, num_warps=4)
     return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
 
 
