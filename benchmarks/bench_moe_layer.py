@@ -6,7 +6,9 @@
 For each shape an HF block is built from a config with the model's dimensions (bf16, random
 weights, ``experts_implementation="grouped_mm"``). *Ours* is the same layer through our op: the
 router linear (as HF computes it) + ``moe_compile.fused_moe`` on transposed views of the block's
-own weights (no copies), captured in a CUDA graph and replayed. *HF* is the block under
+own weights (no copies), captured in a CUDA graph and replayed. DeepSeek-V3's router is fp32 over the
+bf16 input (``F.linear(x.float(), w.float())`` in HF); ours runs it as the backend does on CUDA,
+through ``moe_compile::router_logits`` (same fp32 result, no fp32 copy of the input). *HF* is the block under
 ``torch.compile`` (inductor, dynamic shapes, no graphs), timed with CUDA events. DeepSeek-V3's
 block also runs a shared-expert MLP; both sides time the routed part only (gate + experts).
 
@@ -126,7 +128,10 @@ def hf_routed(block, shape: Shape):
 
 
 def our_layer(block, shape: Shape):
+    import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
     from moe_compile.ops.fused_moe import fused_moe
+
+    router_logits = torch.ops.moe_compile.router_logits
 
     w13, w2 = expert_views(block, shape)
     gate = block.gate
@@ -135,7 +140,8 @@ def our_layer(block, shape: Shape):
     gate_w = gate.weight
 
     def layer(x):
-        logits = F.linear(x.float(), gate_w.float()) if fp32_router else F.linear(x, gate_w)
+        # DeepSeek-V3's fp32 router over the bf16 input: the op the backend puts in its place on CUDA
+        logits = router_logits(x, gate_w, None) if fp32_router else F.linear(x, gate_w)
         return fused_moe(x, logits, shape.num_experts, shape.top_k, w13, w2, e_score_correction_bias=bias,
                          **shape.routing)
     return layer

@@ -112,3 +112,19 @@ def fused_experts_op(
 def _fused_experts_fake(hidden_states, *args, **kwargs):
     # contiguous, like the real output (empty_like would copy a transposed input's strides)
     return hidden_states.new_empty(hidden_states.shape)
+
+
+@torch.library.custom_op("moe_compile::router_logits", mutates_args=())
+def router_logits_op(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 router logits ``F.linear(hidden_states.float(), weight.float(), bias)`` without an fp32
+    copy of ``hidden_states`` (CUDA kernels in ``kernels/triton/router.py``; elsewhere that formula)."""
+    if hidden_states.device.type == "cuda":
+        from moe_compile.kernels.triton.router import router_logits
+
+        return router_logits(hidden_states, weight, bias)
+    return torch.nn.functional.linear(hidden_states.float(), weight.float(), None if bias is None else bias.float())
+
+
+@router_logits_op.register_fake
+def _router_logits_fake(hidden_states, weight, bias):
+    return hidden_states.new_empty((hidden_states.shape[0], weight.shape[0]), dtype=torch.float32)

@@ -105,13 +105,26 @@ class MoEFusionPass(_Base):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
             return
         with unset_fake_temporarily():
-            rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups())
+            fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(),
+                                  fp32_router_on_cuda=self._lowers_to_cuda(ctx, anchor))
         self.rewritten += 1
+        router = match.router_kind()
+        if fused.args[1].target is torch.ops.moe_compile.router_logits.default:
+            router += " (fp32 router GEMM -> moe_compile::router_logits on the bf16 input)"
         record(BlockDecision(
-            path=match.path, router=match.router_kind(), experts=match.experts.form,
+            path=match.path, router=router, experts=match.experts.form,
             num_experts=anchor.num_experts, top_k=anchor.top_k, activation=match.experts.describe(),
             rewritten=True,
         ))
+
+    def _lowers_to_cuda(self, ctx: GraphContext, anchor) -> bool:
+        from moe_compile.lowering import resolve
+        from moe_compile.ops.config import Lowering
+
+        real = ctx.values.get(anchor.router_weight) if anchor.router_weight is not None else None
+        device = real.device if isinstance(real, torch.Tensor) else torch.device("cpu")
+        requested = Lowering(self.op_kwargs.get("lowering", Lowering.AUTO.value))
+        return resolve(requested, device) is Lowering.CUDA
 
     def _groups(self) -> dict:
         groups = {k: getattr(self.config, k) for k in ("ep_group", "tp_group") if getattr(self.config, k) is not None}

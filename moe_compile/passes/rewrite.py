@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from moe_compile.passes.experts import WeightSource
-from moe_compile.passes.graph import SIDE_EFFECT_OPS, aten, backward_slice, val
+from moe_compile.passes.graph import CAST_OPS, SIDE_EFFECT_OPS, aten, backward_slice, val
 from moe_compile.passes.match import BlockMatch
 
 _counter = itertools.count()
@@ -93,8 +93,68 @@ def _sharded_weights(gm, match: BlockMatch, values: dict, groups: dict, template
             for t in (shard.w13, shard.w2, shard.w13_bias, shard.w2_bias)]
 
 
+def upcast_source(node: fx.Node) -> fx.Node | None:
+    """The bf16/fp16 tensor that ``node`` is an fp32 upcast of (``x.float()``), else ``None``."""
+    if node.op != "call_function" or node.target not in CAST_OPS:
+        return None
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if src is None or val(node).dtype != torch.float32:
+        return None
+    return src if val(src).dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _fp32_router(graph: fx.Graph, anchor, x_low: fx.Node | None) -> fx.Node | None:
+    """An fp32 router GEMM over an upcast bf16 input (``F.linear(x.float(), w.float())``) as one
+    ``moe_compile::router_logits`` node on the bf16 input and the stored ``[E, H]`` weight, so the
+    CUDA kernels skip the fp32 copy of the activations and the CUDA-core fp32 GEMM. ``None`` (the
+    graph's own GEMM stays) for any other form."""
+    logits = anchor.logits
+    if x_low is None or val(x_low).dtype != torch.bfloat16 or val(logits).dtype != torch.float32:
+        return None
+    if logits.target is aten.mm.default:
+        bias, a, b = None, logits.args[0], logits.args[1]
+    elif logits.target is aten.addmm.default and logits.args[1] is anchor.x and not logits.kwargs:
+        bias, a, b = logits.args[0], logits.args[1], logits.args[2]
+    else:
+        return None
+    weight = anchor.router_weight
+    if a is not anchor.x or weight is None or val(x_low).dim() != 2 or _skip_casts(_untranspose(b)) is not weight:
+        return None
+    wv = val(weight)
+    if tuple(wv.shape) != (val(logits).shape[1], val(x_low).shape[1]) or wv.dtype not in (torch.bfloat16,
+                                                                                           torch.float32):
+        return None  # the weight is stored [H, E] or in another dtype: the plain GEMM stays
+    if bias is not None and tuple(val(bias).shape) != (wv.shape[0],):
+        return None
+    with graph.inserting_after(logits):
+        node = _call(graph, torch.ops.moe_compile.router_logits.default, (x_low, weight, bias), logits)
+    logits.replace_all_uses_with(node)
+    return node
+
+
+def _skip_casts(node: fx.Node | None) -> fx.Node | None:
+    while node is not None and node.op == "call_function" and node.target in CAST_OPS:
+        node = node.args[0]
+    return node
+
+
+def _untranspose(node: fx.Node) -> fx.Node | None:
+    """``w`` for ``w.t()`` / ``w.permute(1, 0)`` / ``w.transpose(0, 1)`` of a 2-D ``w`` (casts
+    before the transpose skipped), else ``None``."""
+    node = _skip_casts(node)
+    if node is None or node.op != "call_function":
+        return None
+    if node.target is aten.t.default or (node.target is aten.permute.default and list(node.args[1]) == [1, 0]):
+        return node.args[0]
+    if node.target is aten.transpose.int and sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]:
+        return node.args[0]
+    return None
+
+
 def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict,
-                  groups: dict | None = None) -> fx.Node:
+                  groups: dict | None = None, fp32_router_on_cuda: bool = False) -> fx.Node:
+    """``fp32_router_on_cuda``: the op will run the CUDA lowering, so an fp32 router over an
+    upcast bf16 input becomes ``moe_compile::router_logits`` (see ``_fp32_router``)."""
     graph = gm.graph
     out = match.output
     anchor = match.anchor
@@ -124,15 +184,22 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
         )
         x = anchor.x
         act_dtype = val(w13).dtype  # the experts compute in their weights' dtype
+        x_low = upcast_source(x)
         if val(x).dtype != act_dtype:  # e.g. the router saw an upcast copy (DeepSeek-V3's x.float())
-            x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
+            if x_low is not None and val(x_low).dtype == act_dtype:
+                x = x_low  # the block input itself, not a round trip through fp32
+            else:
+                x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
+        logits = anchor.logits
+        if fp32_router_on_cuda:
+            logits = _fp32_router(graph, anchor, x_low) or logits
         fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
-                      (x, anchor.logits, w13, w2, b13, b2, bias), out, kwargs)
+                      (x, logits, w13, w2, b13, b2, bias), out, kwargs)
         result = fused
         if val(out).dtype != act_dtype:
             result = _call(graph, torch.ops.prims.convert_element_type.default, (fused, val(out).dtype), out)
     out.replace_all_uses_with(result)
-    _drop_old(graph, match, {anchor.x, anchor.logits})
+    _drop_old(graph, match, {anchor.x, anchor.logits, logits})
     return fused
 
 

@@ -1,0 +1,85 @@
+"""fp32 router logits from bf16 activations (``kernels/triton/router.py``) against fp64.
+
+CPU: the GEMV kernel under Triton's interpreter (bf16 loads, fp32 FMA) and the GEMM kernel's
+indexing on fp32 inputs (the interpreter's bf16 ``tl.dot`` is not usable). CUDA: every path at
+model-like shapes, including the three-part split of fp32 weights on tensor cores.
+Tolerance: 2e-6 of the largest logit on CPU; 1e-5 on CUDA, where K = 7168 fp32 additions in the
+tensor cores' accumulator drift by about sqrt(K) ulps, as cuBLAS's own fp32 GEMM does (compared
+side by side in ``test_cuda_paths_at_deepseek_router_shape``).
+"""
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+pytest.importorskip("triton")
+
+from moe_compile.kernels.triton import router  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+TOL = 1e-5 if CUDA else 2e-6
+
+
+def _inputs(tokens, hidden, experts, wdtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).to(DEV, wdtype)
+    b = (torch.randn(experts, generator=gen) * 0.1).to(DEV) if bias else None
+    return x, w, b
+
+
+def _rel(got, x, w, b):
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.float32 and got.shape == ref.shape
+    return ((got.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w-fp32", "w-bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_few_tokens(tokens, wdtype, bias):
+    x, w, b = _inputs(tokens, 300, 24, wdtype, bias, seed=tokens)
+    assert router.kernels_take(x, w, b) and tokens <= router.GEMV_MAX_TOKENS
+    assert _rel(router.router_logits(x, w, b), x, w, b) < TOL
+
+
+@pytest.mark.parametrize("tokens,experts", [(17, 24), (130, 40)])
+def test_gemm_kernel_indexing_fp32(tokens, experts):
+    """The tensor-core kernel's tiling and masks (ragged tokens, experts and hidden), on fp32."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 200, generator=gen).to(DEV)
+    w = torch.randn(experts, 200, generator=gen).to(DEV)
+    b = torch.randn(experts, generator=gen).to(DEV)
+    out = torch.empty(tokens, experts, device=DEV)
+    got = router._gemm(x, w, b, out)
+    assert _rel(got, x, w, b) < TOL
+
+
+def test_other_inputs_go_to_the_reference():
+    x, w, _ = _inputs(5, 64, 8, torch.float32, False)
+    for args in ((x.half(), w, None), (x, w.half(), None), (x.float(), w, None), (x, w.t().contiguous().t(), None)):
+        assert not router.kernels_take(*args)
+        torch.testing.assert_close(router.router_logits(*args), router.router_logits_reference(*args))
+    empty = router.router_logits(x[:0], w)
+    assert empty.shape == (0, 8) and empty.dtype == torch.float32
+
+
+def test_custom_op_matches_the_formula_and_passes_opcheck():
+    import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
+
+    x, w, b = _inputs(6, 64, 8, torch.float32, True)
+    got = torch.ops.moe_compile.router_logits(x, w, b)
+    assert _rel(got, x, w, b) < TOL
+    torch.library.opcheck(torch.ops.moe_compile.router_logits.default, (x, w, b))
+    torch.library.opcheck(torch.ops.moe_compile.router_logits.default, (x, w.bfloat16(), None))
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16, 17, 300, 2048])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w-fp32-split", "w-bf16"])
+def test_cuda_paths_at_deepseek_router_shape(tokens, wdtype):
+    x, w, b = _inputs(tokens, 7168, 256, wdtype, bias=tokens == 300, seed=tokens)
+    ours = _rel(router.router_logits(x, w, b), x, w, b)
+    cublas = _rel(torch.nn.functional.linear(x.float(), w.float(), b), x, w, b)
+    print(f"T={tokens} {wdtype}: ours {ours:.1e}, cuBLAS fp32 {cublas:.1e} (of the largest logit)")
+    assert ours < TOL

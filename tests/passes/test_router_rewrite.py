@@ -1,0 +1,59 @@
+"""An fp32 router over an upcast bf16 input (DeepSeek-V3's ``F.linear(x.float(), w.float())``)
+becomes ``moe_compile::router_logits`` on the bf16 input when the op lowers to CUDA, and the
+experts take the bf16 input itself instead of a round trip through fp32.
+
+Without a GPU the rewrite is forced on (the pass's CUDA check patched) while the op runs its CPU
+lowering, so the rewritten graph's numbers are checked against eager here; the CUDA kernels behind
+the router op are checked in ``tests/kernels/test_triton_router.py``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_compile.passes.moe_pass import MoEFusionPass
+from moe_compile.testing import zoo
+
+from .helpers import TOL, explain_and_compare
+
+ROUTER_OP = "moe_compile.router_logits"
+
+
+def _deepseek(fp32_router: bool):
+    model, kwargs = zoo.build_model("deepseek_v3", num_layers=2, dtype=torch.bfloat16)
+    if fp32_router:  # as the benchmark keeps it (HF computes the router in fp32 either way)
+        for module in model.modules():
+            if type(module).__name__.endswith("TopkRouter"):
+                module.float()
+    return model, kwargs
+
+
+@pytest.mark.parametrize("fp32_router", [False, True], ids=["bf16-weight-upcast", "fp32-weight"])
+def test_fp32_router_becomes_the_router_op_when_lowering_to_cuda(fp32_router, monkeypatch):
+    monkeypatch.setattr(MoEFusionPass, "_lowers_to_cuda", lambda self, ctx, anchor: True)
+    model, kwargs = _deepseek(fp32_router)
+    report, diff = explain_and_compare(model, kwargs)
+    moe = [b for b in report.blocks if b.rewritten]
+    assert moe and all("router_logits" in b.router for b in moe), str(report)
+    after = "\n".join(report.graphs_after)
+    assert after.count(ROUTER_OP + ".default(") == len(moe), after
+    # the fp32 copy of the block input is gone: nothing converts a [T, H] activation to fp32
+    # any more (the router op reads bf16, the experts take the input itself)
+    assert "moe_compile.fused_moe.default(convert_element_type" not in after.replace(" ", "")
+    assert diff <= TOL[torch.bfloat16], (diff, str(report))
+
+
+def test_router_stays_a_plain_gemm_on_other_lowerings():
+    model, kwargs = _deepseek(fp32_router=True)
+    report, diff = explain_and_compare(model, kwargs)
+    assert report.rewritten and ROUTER_OP not in "\n".join(report.graphs_after)
+    assert diff <= TOL[torch.bfloat16]
+
+
+def test_routers_already_in_the_input_dtype_are_left_alone(monkeypatch):
+    """Qwen3-MoE's router runs in the model's dtype: there is no fp32 GEMM to replace."""
+    monkeypatch.setattr(MoEFusionPass, "_lowers_to_cuda", lambda self, ctx, anchor: True)
+    model, kwargs = zoo.build_model("qwen3_moe", num_layers=1, dtype=torch.bfloat16)
+    report, diff = explain_and_compare(model, kwargs)
+    assert report.rewritten and ROUTER_OP not in "\n".join(report.graphs_after)
+    assert diff <= TOL[torch.bfloat16]
