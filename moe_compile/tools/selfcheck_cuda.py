@@ -87,6 +87,23 @@ def _routing_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     return out
 
 
+def _router_checks(s: Setup, gen: torch.Generator) -> list[Check]:
+    """fp32 router logits from the bf16 input (fp32 weights split on tensor cores, or the GEMV
+    kernel for few tokens) against ``F.linear(x.float(), w.float())`` on the same device."""
+    from moe_compile.kernels.triton.router import GEMV_MAX_TOKENS, router_logits
+
+    hidden = 7168 if not s.tiny else 64
+    w = (torch.randn(s.experts * 4, hidden, generator=gen) * hidden ** -0.5).to(s.device)
+    out = []
+    for tokens in sorted({min(s.tokens, GEMV_MAX_TOKENS), s.tokens}):
+        x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(s.device)
+        want = torch.nn.functional.linear(x.double(), w.double())
+        path = "GEMV" if tokens <= GEMV_MAX_TOKENS else "split-bf16 GEMM"
+        out.append(_compare("router", f"{tokens}x{hidden} fp32 weights, {path}", lambda x=x: router_logits(x, w),
+                            want, 1e-5))
+    return out
+
+
 def _align_check(s: Setup, gen: torch.Generator) -> Check:
     from moe_compile.kernels.triton.align import align
 
@@ -184,7 +201,7 @@ def _compare(name: str, case: str, fn: Callable[[], torch.Tensor], want: torch.T
 def run_cuda_checks(device: torch.device, seed: int = 0) -> list[Check]:
     s = setup_for(device)
     gen = torch.Generator().manual_seed(seed)
-    checks = _routing_checks(s, gen) + [_align_check(s, gen)] + _experts_checks(s, gen)
+    checks = _routing_checks(s, gen) + _router_checks(s, gen) + [_align_check(s, gen)] + _experts_checks(s, gen)
     return checks + [_batched_check(s, gen), _graph_check(s, gen)]
 
 

@@ -46,8 +46,12 @@ def test_moe_gemm_kernel_compiles_for_sm90(compiled, variant):
 
 
 def test_every_launch_of_the_interpreted_selfcheck_compiles_for_sm90(compiled):
+    if compiled["interpreter_failed"]:  # seen with triton 3.6's interpreter; CI's triton runs them all
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run these selfcheck checks, so their "
+                    f"launches were not recorded: {compiled['interpreter_failed']}")
     launches = {k: v for k, v in compiled.items() if k.startswith("launch ")}
     kernels = {k.split(": ")[1] for k in launches}
-    assert {"_route_kernel", "_count_kernel", "_scatter_kernel", "_moe_gemm_kernel", "_combine_kernel"} <= kernels
+    assert {"_route_kernel", "_gemv_kernel", "_count_kernel", "_scatter_kernel", "_moe_gemm_kernel",
+            "_combine_kernel"} <= kernels
     bad = {k: v for k, v in launches.items() if not isinstance(v, int)}
     assert not bad, bad
