@@ -3,9 +3,8 @@
 CPU: the GEMV kernel under Triton's interpreter (bf16 loads, fp32 FMA) and the GEMM kernel's
 indexing on fp32 inputs (the interpreter's bf16 ``tl.dot`` is not usable). CUDA: every path at
 model-like shapes, including the three-part split of fp32 weights on tensor cores.
-Tolerance: 2e-6 of the largest logit on CPU; 1e-5 on CUDA, where K = 7168 fp32 additions in the
-tensor cores' accumulator drift by about sqrt(K) ulps, as cuBLAS's own fp32 GEMM does (compared
-side by side in ``test_cuda_paths_at_deepseek_router_shape``).
+Tolerance: 2e-6 of the largest logit; at the DeepSeek-V3 shape on CUDA, no worse than 2e-6 or
+three times cuBLAS's own fp32 GEMM error on the same inputs, whichever is larger.
 """
 import pytest
 import torch
@@ -17,7 +16,7 @@ from moe_compile.kernels.triton import router  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-TOL = 1e-5 if CUDA else 2e-6
+TOL = 2e-6
 
 
 def _inputs(tokens, hidden, experts, wdtype, bias, seed=0):
@@ -82,4 +81,4 @@ def test_cuda_paths_at_deepseek_router_shape(tokens, wdtype):
     ours = _rel(router.router_logits(x, w, b), x, w, b)
     cublas = _rel(torch.nn.functional.linear(x.float(), w.float(), b), x, w, b)
     print(f"T={tokens} {wdtype}: ours {ours:.1e}, cuBLAS fp32 {cublas:.1e} (of the largest logit)")
-    assert ours < TOL
+    assert ours < max(TOL, 3 * cublas)

@@ -5,13 +5,17 @@ DeepSeek-V3-style routers compute ``F.linear(x.float(), w.float())``: a cast pas
 0.84 ms for the GEMM and 0.21 ms for the cast, measured with ``benchmarks/kernel_breakdown.py``).
 ``router_logits`` gives the same fp32 result from the bf16 input directly:
 
-- few tokens (``T <= 16``): a GEMV kernel that reads each weight once, casting in registers and
-  accumulating fp32 products on CUDA cores (the memory-bound case);
+- few tokens (``T <= 16``): a GEMV kernel, one program per expert, that reads each weight row
+  once in wide loads, casting in registers and accumulating fp32 products on CUDA cores (the
+  memory-bound case);
 - more tokens: a tensor-core GEMM. bf16 weights are multiplied as they are (their products with
   bf16 inputs are exact in the fp32 accumulator, exactly what the upcast computes). fp32 weights
   are split in registers into three bf16 parts ``hi + mid + lo`` that together hold the fp32
   significand, and the input is multiplied with each part: three bf16 products per element, exact
-  in fp32, summed in fp32, so the result differs from the fp32 GEMM only by summation order.
+  in fp32. Each 64-wide K-chunk is summed on the tensor cores and added to the running fp32 total
+  on CUDA cores, because Hopper's tensor cores truncate their fp32 accumulation (over K = 7168 a
+  single tensor-core accumulator drifted to 2e-5 of the largest logit on an H200, against 3e-7 for
+  cuBLAS's fp32 GEMM).
 
 ``router_logits_reference`` is the plain-torch meaning. Inputs other than bf16 activations (or
 shapes the kernels do not take) go to the reference.
@@ -31,23 +35,24 @@ def router_logits_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, stride_ot,
-                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, stride_ot,
+                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program ``e``: expert ``e``'s logits for every token; its weight row is read once, in as few
+    wide loads as registers allow (one for ``T <= 2`` and ``H <= 8192``)."""
+    e = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     h = tl.arange(0, BLOCK_H)
-    tmask, emask = t < T, e < E
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    tmask = t < T
+    acc = tl.zeros([BLOCK_T], dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         hmask = (h0 + h) < H
+        w = tl.load(w_ptr + e.to(tl.int64) * stride_we + h0 + h, mask=hmask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + t[:, None] * stride_xt + (h0 + h)[None, :], mask=tmask[:, None] & hmask[None, :],
                     other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + (h0 + h)[None, :],
-                    mask=emask[:, None] & hmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        acc += tl.sum(x * w[None, :], axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + t[:, None] * stride_ot + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+        acc += tl.load(b_ptr + e).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + e, acc, mask=tmask)
 
 
 @triton.jit
@@ -65,18 +70,21 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, st
                     mask=tmask[:, None] & hmask[None, :], other=0.0)
         w = tl.load(w_ptr + e[None, :].to(tl.int64) * stride_we + (h0 + h)[:, None],
                     mask=hmask[:, None] & emask[None, :], other=0.0)  # [BLOCK_H, BLOCK_E]
+        # each K-chunk's products are summed on the tensor cores from zero and added to the fp32
+        # total on CUDA cores: Hopper's tensor cores truncate their fp32 accumulation, which over
+        # the whole K = 7168 drifted to 8e-6 of the largest logit (2e-5 with the split weights)
         if SPLIT:  # fp32 weights: hi + mid + lo, three bf16 parts holding the fp32 significand
             hi = w.to(tl.bfloat16)
             rest = w - hi.to(tl.float32)
             mid = rest.to(tl.bfloat16)
             lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
-            acc = tl.dot(x, hi, acc)
-            acc = tl.dot(x, mid, acc)
-            acc = tl.dot(x, lo, acc)
+            part = tl.dot(x, lo)
+            part = tl.dot(x, mid, part)
+            acc += tl.dot(x, hi, part)
         elif IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, w, acc)
+            acc += tl.dot(x, w)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], acc,
@@ -102,10 +110,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = bias if bias is not None else out
     if num_tokens <= GEMV_MAX_TOKENS:
         block_t = triton.next_power_of_2(num_tokens)
-        block_h = max(64, min(1024, 2048 // block_t))
-        _gemv_kernel[(triton.cdiv(num_experts, 2),)](
-            x, weight, b, out, num_tokens, num_experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_E=2, BLOCK_H=block_h, num_warps=4)
+        block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
+        _gemv_kernel[(num_experts,)](x, weight, b, out, num_tokens, hidden, x.stride(0), weight.stride(0),
+                                     out.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_H=block_h,
+                                     num_warps=8)
         return out
     return _gemm(x, weight, bias, out)
 
