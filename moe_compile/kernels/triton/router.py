@@ -83,8 +83,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, st
             acc += tl.dot(x, hi, part)
         elif IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+        else:  # a zero the compiler cannot see, so it does not fold the add into the dot's accumulator
+            acc += tl.dot(x, w, acc * 0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], acc,
