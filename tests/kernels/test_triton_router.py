@@ -74,11 +74,24 @@ def test_custom_op_matches_the_formula_and_passes_opcheck():
 
 
 @gpu
-@pytest.mark.parametrize("tokens", [1, 8, 16, 17, 300, 2048])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 17, 300, 2048, 4096])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w-fp32-split", "w-bf16"])
 def test_cuda_paths_at_deepseek_router_shape(tokens, wdtype):
+    """Each kernel at the DeepSeek-V3 router shape (the GEMM kernel also below the token count
+    from which ``router_logits`` uses it), against fp64 and beside cuBLAS's fp32 GEMM."""
     x, w, b = _inputs(tokens, 7168, 256, wdtype, bias=tokens == 300, seed=tokens)
-    ours = _rel(router.router_logits(x, w, b), x, w, b)
+    if tokens <= router.GEMV_MAX_TOKENS:
+        got = router.router_logits(x, w, b)
+    else:
+        got = router._gemm(x, w, b, torch.empty(tokens, 256, device=DEV))
+    ours = _rel(got, x, w, b)
     cublas = _rel(torch.nn.functional.linear(x.float(), w.float(), b), x, w, b)
     print(f"T={tokens} {wdtype}: ours {ours:.1e}, cuBLAS fp32 {cublas:.1e} (of the largest logit)")
     assert ours < max(TOL, 3 * cublas)
+
+
+def test_mid_token_counts_take_the_formula():
+    """Between the GEMV and the GEMM thresholds the plain fp32 GEMM runs (it was faster there)."""
+    x, w, b = _inputs(router.GEMV_MAX_TOKENS + 1, 64, 8, torch.float32, True)
+    torch.testing.assert_close(router.router_logits(x, w, b), router.router_logits_reference(x, w, b),
+                               rtol=0, atol=0)
