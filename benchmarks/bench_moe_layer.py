@@ -297,6 +297,9 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot(ms, [r["hf_ratio"] for r in rs], "s-", label="HF grouped_mm + inductor")
         if all("vllm_ratio_issue" in r for r in rs):
             ax.plot(ms, [r["vllm_ratio_issue"] for r in rs], "^--", label="vLLM Triton (issue 5)")
+        dense = [(r["M"], r["dense_ratio"]) for r in rs if "dense_ratio" in r]
+        if dense:
+            ax.plot(*zip(*dense), "x", color="grey", label="cuBLAS dense GEMMs, same sizes")
         ax.plot(ms, [r["target"] for r in rs], "k:", label="target")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set_xscale("log", base=2)
