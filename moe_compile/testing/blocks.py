@@ -58,6 +58,7 @@ class MoEBlockConfig:
     topk_group: int = 2
     routed_scaling_factor: float = 2.5
     n_shared_experts: int = 1
+    router_bias: bool = False  # a bias in the fp32 router GEMM (an addmm in the captured graph)
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -284,12 +285,14 @@ class GroupedSigmoidGate(nn.Module):
             )
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
     def forward(self, hidden_TD):
         cfg = self.cfg
         num_tokens = hidden_TD.shape[0]
-        logits_TE = F.linear(hidden_TD.type(torch.float32), self.weight.type(torch.float32))
+        bias = None if self.bias is None else self.bias.type(torch.float32)
+        logits_TE = F.linear(hidden_TD.type(torch.float32), self.weight.type(torch.float32), bias)
         scores_TE = logits_TE.sigmoid()
         scores_for_choice_TE = scores_TE + self.e_score_correction_bias.unsqueeze(0)
         group_scores_TG = scores_for_choice_TE.view(num_tokens, cfg.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)

@@ -57,3 +57,35 @@ def test_routers_already_in_the_input_dtype_are_left_alone(monkeypatch):
     report, diff = explain_and_compare(model, kwargs)
     assert report.rewritten and ROUTER_OP not in "\n".join(report.graphs_after)
     assert diff <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("router_bias", [False, True], ids=["mm", "addmm-bias"])
+def test_hand_written_fp32_router_with_and_without_bias(router_bias, monkeypatch):
+    """A hand-written DeepSeek-like block (fp32 router ``F.linear(x.float(), w.float(), b)``,
+    ModuleList experts, shared expert) in bf16: the router GEMM, an ``addmm`` with the bias,
+    becomes the router op with the bias, and the block still matches eager."""
+    from moe_compile.testing.blocks import MoEBlockConfig, V4GroupedSigmoidMoE
+    from moe_compile.testing.zoo import redraw_parameters
+
+    class OneBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = V4GroupedSigmoidMoE(MoEBlockConfig(router_bias=router_bias))
+
+        def forward(self, hidden_states):
+            return self.mlp(hidden_states)
+
+    monkeypatch.setattr(MoEFusionPass, "_lowers_to_cuda", lambda self, ctx, anchor: True)
+    torch.manual_seed(0)
+    model = OneBlock()
+    redraw_parameters(model, seed=0)
+    model = model.to(torch.bfloat16).eval()
+    kwargs = {"hidden_states": torch.randn(1, 5, 64).bfloat16()}
+    report, diff = explain_and_compare(model, kwargs)
+    assert report.rewritten == ["mlp"], str(report)
+    after = "\n".join(report.graphs_after)
+    assert after.count(ROUTER_OP + ".default(") == 1 and "addmm" not in after, after
+    call = next(line for line in after.splitlines() if ROUTER_OP + ".default(" in line)
+    assert ("addmm" in "\n".join(report.graphs_before)) == router_bias
+    assert (", None)" not in call) == router_bias, call  # the bias reaches the op
+    assert diff <= TOL[torch.bfloat16], (diff, str(report))
