@@ -10,9 +10,9 @@ GEMM1 config (GEMM2 at its default), then each GEMM2 candidate with the best GEM
 ``E{E}_H{H}_I{I}_bf16_NVIDIA_H200.json`` (read by ``kernels/triton/configs.py``);
 every timing goes to ``tune_log.json`` beside it under ``--log``.
 
-``--refine`` starts from the tuned plan of each point instead and times it side by side with its
-variants (the persistent launch, the pre-gathered first GEMM, neighbouring tiles), keeping the
-fastest.
+Each point's best plan is then refined: timed side by side with its variants (the persistent
+launch, the pre-gathered first GEMM, neighbouring tiles, short tails as smaller tiles), keeping
+the fastest. ``--refine`` does only that, starting from the tuned plan already in the file.
 """
 from __future__ import annotations
 
@@ -232,8 +232,9 @@ def main(argv=None) -> int:
             if args.refine and str(m) in table:
                 us, plan = refine_point(shape, m, weights, args.reps, log, Plan.from_dict(table[str(m)]),
                                         args.session)
-            else:
-                us, plan = tune_point(shape, m, weights, args.reps, log)
+            else:  # a full search, then its best plan's variants (persistent, pre-gather, tails)
+                _, plan = tune_point(shape, m, weights, args.reps, log)
+                us, plan = refine_point(shape, m, weights, args.reps, log, plan, args.session)
             table[str(m)] = dict(plan.to_dict(), us=round(us, 1))
             table["_note"] = (f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, "
                               f"torch {torch.__version__}")
