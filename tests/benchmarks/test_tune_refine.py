@@ -1,0 +1,54 @@
+"""The tuner's refine step (``benchmarks/tune_triton.py``), with a fake timer: which variants it
+tries around a tuned plan and that it keeps the fastest plan it timed (the current one included)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import tune_triton as tt  # noqa: E402
+
+from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
+from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
+
+G = GemmConfig
+
+
+def _timer(times: dict):
+    def time_plan(plan, calls, weights, reps):
+        times[plan] = times.get(plan, 100.0 + len(times))  # every plan slower than the last, unless set
+        return times[plan]
+    return time_plan
+
+
+def test_variants_cover_persistence_pre_gather_and_tails():
+    plan = Plan(ExpertsPath.SORTED, G(128, 128, 64, 8, 8, 4, 1), G(128, 256, 64, 8, 8, 4, 1))
+    variants = tt.refine_variants(plan, per_expert=128)
+    assert len(variants) == len(set(variants))
+    assert any(v.pre_gather for v in variants)
+    assert {v.gemm1.persistent for v in variants} >= {0, 1, 2} and {v.gemm2.persistent for v in variants} >= {1, 2}
+    assert {v.gemm1.tail_m for v in variants} >= {32, 64} and {v.gemm2.tail_m for v in variants} >= {32, 64}
+    assert all(v.path is ExpertsPath.SORTED for v in variants)
+    grouped = tt.refine_variants(Plan(ExpertsPath.GROUPED_MM, plan.gemm1, plan.gemm2), per_expert=128)
+    assert all(v.path is ExpertsPath.SORTED and v.gemm1.tma for v in grouped[:1])  # Triton variants to compare
+    pairs = tt.refine_variants(Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4)), 0.06)
+    assert all(v.path is ExpertsPath.PAIRS for v in pairs) and any(v.gemm1.tma for v in pairs)
+
+
+@pytest.mark.parametrize("winner", ["current", "variant"])
+def test_refine_keeps_the_fastest_timed_plan(winner, monkeypatch):
+    current = Plan(ExpertsPath.GROUPED_MM, G(128, 128, 64, 8, 8, 3), G(128, 256, 64, 8, 8, 3))
+    times = {current: 50.0} if winner == "current" else {}
+    if winner == "variant":
+        fast = tt.refine_variants(current, 128)[3]
+        times[fast] = 10.0
+    monkeypatch.setattr(tt, "problem", lambda *args: None)
+    monkeypatch.setattr(tt, "time_plan", _timer(times))
+    log = []
+    us, best = tt.refine_point(tt.SHAPES["qwen3"], 2048, None, 1, log, current, session=9)
+    assert us == min(times.values()) and times[best] == us
+    assert best == (current if winner == "current" else fast)
+    assert sum(row["current"] for row in log) == 1 and all(row["session"] == 9 for row in log)
+    assert all(Plan.from_dict(row) in times for row in log)
