@@ -42,7 +42,7 @@ def _triton_missing() -> str:
 
 
 def _on_device(t: torch.Tensor) -> bool:
-    from moe_compile.kernels.triton.experts import interpreting
+    from moe_compile.kernels.triton import interpreting
 
     return t.device.type == "cuda" or interpreting()
 

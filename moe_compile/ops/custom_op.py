@@ -121,8 +121,11 @@ def router_logits_op(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Op
     if hidden_states.device.type == "cuda":
         from moe_compile.kernels.triton.router import router_logits
 
-        return router_logits(hidden_states, weight, bias)
-    return torch.nn.functional.linear(hidden_states.float(), weight.float(), None if bias is None else bias.float())
+        return router_logits(hidden_states, weight, bias)  # checks its inputs
+    from moe_compile.ops.routing import check_router_inputs, router_logits_reference
+
+    check_router_inputs(hidden_states, weight, bias)
+    return router_logits_reference(hidden_states, weight, bias)
 
 
 @router_logits_op.register_fake

@@ -17,6 +17,9 @@ Llama-4 style (``scoring_after_topk``): top-k on the raw logits, then the score 
 k picked logits (softmax over them, or an elementwise sigmoid).
 
 Ties in top-k resolve to the lower expert index, as the NPU ops' goldens do.
+
+``router_logits_reference`` is the meaning of ``moe_compile::router_logits`` (the fp32 router GEMM
+over low-precision activations that the pass emits for DeepSeek-V3-style routers).
 """
 from __future__ import annotations
 
@@ -151,3 +154,28 @@ def route_per_token_reference(
         weights.append((w * cfg.routed_scaling_factor).tolist())
         ids.append(order)
     return torch.tensor(weights, dtype=torch.float32), torch.tensor(ids, dtype=torch.int32)
+
+
+def check_router_inputs(hidden_states, weight, bias) -> None:
+    """``hidden_states [T, H]``, ``weight [E, H]``, ``bias [E]`` or None, floating, one device."""
+    for name, t in (("hidden_states", hidden_states), ("weight", weight), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"router_logits: {name} must be a torch.Tensor, but got {type(t).__name__}.")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"router_logits: {name} must be floating point, but got {t.dtype}.")
+    if hidden_states.dim() != 2 or weight.dim() != 2 or hidden_states.shape[1] != weight.shape[1]:
+        raise ValueError(f"router_logits: hidden_states must be [T, H] and weight [E, H] with the same H, but got "
+                         f"{tuple(hidden_states.shape)} and {tuple(weight.shape)}.")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"router_logits: bias must have shape ({weight.shape[0]},), but got {tuple(bias.shape)}.")
+    devices = {t.device for t in (hidden_states, weight, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"router_logits: hidden_states, weight and bias must be on one device, but got {devices}.")
+
+
+def router_logits_reference(hidden_states: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(hidden_states.float(), weight.float(), bias)``: fp32 router logits ``[T, E]``."""
+    return torch.nn.functional.linear(hidden_states.float(), weight.float(), None if bias is None else bias.float())

@@ -8,6 +8,7 @@ compile time and held by the compiled module.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 import torch.fx as fx
@@ -17,6 +18,7 @@ from moe_compile.passes.graph import CAST_OPS, SIDE_EFFECT_OPS, aten, backward_s
 from moe_compile.passes.match import BlockMatch
 
 _counter = itertools.count()
+log = logging.getLogger("moe_compile")
 
 
 def _fake_mode(node: fx.Node):
@@ -113,23 +115,28 @@ def _fp32_router(graph: fx.Graph, anchor, x_low: fx.Node | None) -> fx.Node | No
         return None
     if logits.target is aten.mm.default:
         bias, a, b = None, logits.args[0], logits.args[1]
-    elif logits.target is aten.addmm.default and logits.args[1] is anchor.x and not logits.kwargs:
+    elif logits.target is aten.addmm.default and not logits.kwargs:
         bias, a, b = logits.args[0], logits.args[1], logits.args[2]
     else:
-        return None
+        return _router_stays("the router GEMM is %s, not mm/addmm" % logits.target)
     weight = anchor.router_weight
     if a is not anchor.x or weight is None or val(x_low).dim() != 2 or _skip_casts(_untranspose(b)) is not weight:
-        return None
+        return _router_stays("the GEMM is not x.float() @ w.t() over a 2-D input")
     wv = val(weight)
     if tuple(wv.shape) != (val(logits).shape[1], val(x_low).shape[1]) or wv.dtype not in (torch.bfloat16,
                                                                                            torch.float32):
-        return None  # the weight is stored [H, E] or in another dtype: the plain GEMM stays
+        return _router_stays("the weight is stored %s %s, not [E, H] bf16/fp32" % (tuple(wv.shape), wv.dtype))
     if bias is not None and tuple(val(bias).shape) != (wv.shape[0],):
-        return None
+        return _router_stays("the GEMM's bias is not [E]")
     with graph.inserting_after(logits):
         node = _call(graph, torch.ops.moe_compile.router_logits.default, (x_low, weight, bias), logits)
     logits.replace_all_uses_with(node)
     return node
+
+
+def _router_stays(reason: str) -> None:
+    log.debug("moe_compile: the fp32 router GEMM stays as it is: %s", reason)
+    return None
 
 
 def _skip_casts(node: fx.Node | None) -> fx.Node | None:

@@ -63,6 +63,21 @@ def test_other_inputs_go_to_the_reference():
     assert empty.shape == (0, 8) and empty.dtype == torch.float32
 
 
+def test_bad_inputs_raise_naming_the_parameter():
+    import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
+
+    x, w, b = _inputs(4, 64, 8, torch.float32, True)
+    cases = [((x, w[:, :32], None), ValueError, "weight"), ((x[0], w, None), ValueError, "hidden_states"),
+             ((x, w, b[:3]), ValueError, "bias"), ((x, w.long(), None), TypeError, "weight"),
+             ((x.tolist(), w, None), TypeError, "hidden_states")]
+    for args, error, name in cases:
+        with pytest.raises(error, match=name):
+            router.router_logits(*args)
+        if isinstance(args[0], torch.Tensor):
+            with pytest.raises(error, match=name):
+                torch.ops.moe_compile.router_logits(*args)
+
+
 def test_custom_op_matches_the_formula_and_passes_opcheck():
     import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
 

@@ -134,7 +134,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     else:  # the row copy is split over H too, so even a few hundred pairs fill the GPU
         scatter_block = max(16, min(64, 8192 // e_pad))
         block_h = max(16, min(256, triton.next_power_of_2(hidden)))
-        chunk_h = triton.cdiv(triton.cdiv(hidden, triton.cdiv(hidden, 512)), block_h) * block_h
+        chunk_h = 512  # a multiple of block_h (a power of two <= 256)
     grid = (triton.cdiv(pairs, scatter_block), triton.cdiv(hidden, chunk_h) if x is not None else 1)
     _scatter_kernel[grid](
         topk_ids, expert_map if has_map else topk_ids, counts, rank, sorted_pair, pos, offsets,

@@ -17,11 +17,10 @@ are sized from shapes alone (``P = T * k`` rows). ``TritonExperts`` wraps it as 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from moe_compile.kernels.grouped_mm import cuda_capability
+from moe_compile.kernels.triton import interpreting
 from moe_compile.kernels.triton.align import align
 from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
@@ -34,10 +33,6 @@ from moe_compile.ops.activation import intermediate_size
 from moe_compile.ops.config import ExpertsConfig
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_experts_supported(hidden_states: torch.Tensor, weights: ExpertWeights) -> tuple[bool, str]:

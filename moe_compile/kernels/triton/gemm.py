@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import interpreting
 from moe_compile.kernels.triton.activation import act_code, apply_act
 from moe_compile.ops.activation import apply_activation
 from moe_compile.ops.config import ExpertsConfig
@@ -304,8 +304,7 @@ def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: 
     (``None`` each otherwise): W K-major (``[E, N, K]`` storage, as HF keeps its experts), its
     N-blocks whole inside one expert's gate or up half, 16-byte aligned rows; A only when its
     rows are read in place (the second GEMM's sorted blocks)."""
-    on_device = a.device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if not cfg.tma or not on_device:
+    if not cfg.tma or not (a.device.type == "cuda" or interpreting()):
         return None, None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor

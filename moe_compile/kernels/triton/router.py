@@ -24,9 +24,10 @@ shapes the kernels do not take) go to the reference.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from moe_compile.ops.routing import check_router_inputs, router_logits_reference
 
 GEMV_MAX_TOKENS = 16
 # The tensor-core kernel tiles tokens x experts only (no split over H), so below a few thousand
@@ -36,10 +37,6 @@ GEMV_MAX_TOKENS = 16
 # programs) it took 0.34 ms against 0.84 ms + 0.21 ms for cuBLAS and the cast. Between the two
 # thresholds the formula (cuBLAS) runs; not re-measured after this change (no device time left).
 GEMM_MIN_TOKENS = 4096
-
-
-def router_logits_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
 @triton.jit
@@ -100,32 +97,30 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, st
 
 
 def kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernels compute these inputs (else the reference does)."""
-    return (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1] and x.dtype == torch.bfloat16
-            and weight.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1 and weight.stride(1) == 1
-            and (bias is None or (bias.dim() == 1 and bias.shape[0] == weight.shape[0])))
+    """Whether the kernels compute these (checked) inputs, else the reference does: bf16
+    activations, bf16 or fp32 weights, unit inner strides."""
+    return (x.dtype == torch.bfloat16 and weight.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1
+            and weight.stride(1) == 1)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x.float(), weight.float(), bias)`` -> fp32 ``[T, E]`` (see the module doc)."""
-    if not kernels_take(x, weight, bias):
-        return router_logits_reference(x, weight, bias)
+    check_router_inputs(x, weight, bias)
     num_tokens, hidden = x.shape
+    if not kernels_take(x, weight, bias) or GEMV_MAX_TOKENS < num_tokens < GEMM_MIN_TOKENS:
+        return router_logits_reference(x, weight, bias)
     num_experts = weight.shape[0]
     out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
-    b = bias if bias is not None else out
-    if num_tokens <= GEMV_MAX_TOKENS:
-        block_t = triton.next_power_of_2(num_tokens)
-        block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
-        _gemv_kernel[(num_experts,)](x, weight, b, out, num_tokens, hidden, x.stride(0), weight.stride(0),
-                                     out.stride(0), HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_H=block_h,
-                                     num_warps=8)
-        return out
-    if num_tokens < GEMM_MIN_TOKENS:
-        return router_logits_reference(x, weight, bias)
-    return _gemm(x, weight, bias, out)
+    if num_tokens > GEMV_MAX_TOKENS:
+        return _gemm(x, weight, bias, out)
+    block_t = triton.next_power_of_2(num_tokens)
+    block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
+    _gemv_kernel[(num_experts,)](x, weight, bias if bias is not None else out, out, num_tokens, hidden,
+                                 x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                 BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8)
+    return out
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
