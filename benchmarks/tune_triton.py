@@ -90,11 +90,36 @@ def problem(shape: Shape, m: int, weights: ExpertWeights):
     return calls
 
 
-def time_plan(plan: Plan, calls, weights: ExpertWeights, reps: int) -> float:
+def reference_output(calls, weights: ExpertWeights, shape: Shape, m: int) -> torch.Tensor:
+    """The first call's output on the default plan (pointer loads, no TMA, no persistence)."""
+    x, w, ids = calls[0]
+    plan = default_plan(m, shape.top_k, shape.num_experts, shape.hidden, shape.inter)
+    return fused_experts(x, w, ids, weights, plan=plan).float()
+
+
+def plan_error(plan: Plan, calls, weights: ExpertWeights, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` of ``plan`` on the first call (NaN counts as wrong)."""
+    x, w, ids = calls[0]
+    out = fused_experts(x, w, ids, weights, plan=plan).float()
+    err = ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return err if err == err else float("inf")
+
+
+MAX_REL_ERR = 1e-2  # bf16 outputs, fp32 accumulation in another order: ~3e-3 seen
+
+
+def time_plan(plan: Plan, calls, weights: ExpertWeights, reps: int, ref: torch.Tensor | None = None) -> float:
+    """Graph-replay time of ``plan`` (inf if it fails to compile or run, or, given ``ref``, if its
+    output is further than ``MAX_REL_ERR`` from it: a fast wrong plan is never kept)."""
     def fn(call):
         x, w, ids = call
         return fused_experts(x, w, ids, weights, plan=plan)
     try:
+        if ref is not None:
+            err = plan_error(plan, calls, weights, ref)
+            if not err <= MAX_REL_ERR:
+                print(f"    {plan.path.value} {plan.gemm1} {plan.gemm2}: wrong output (rel err {err:.2e}), skipped")
+                return float("inf")
         return graph_time_us(fn, calls, reps)
     except Exception as exc:  # a config that does not compile or fit (shared memory) is skipped
         print(f"    {plan.path.value} {plan.gemm1} {plan.gemm2}: failed: {type(exc).__name__}: {str(exc)[:120]}")
@@ -103,6 +128,7 @@ def time_plan(plan: Plan, calls, weights: ExpertWeights, reps: int) -> float:
 
 def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: list) -> Plan:
     calls = problem(shape, m, weights)
+    ref = reference_output(calls, weights, shape, m)
     pairs = m * shape.top_k
     per_expert = pairs / shape.num_experts
     base = default_plan(m, shape.top_k, shape.num_experts, shape.hidden, shape.inter)
@@ -113,18 +139,18 @@ def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: lis
         plan = Plan(path, candidates(per_expert, 1)[0], g2)
         t1 = {}
         for g1 in candidates(per_expert, 1):
-            t1[g1] = time_plan(replace(plan, gemm1=g1), calls, weights, reps)
+            t1[g1] = time_plan(replace(plan, gemm1=g1), calls, weights, reps, ref)
             log.append({"shape": shape.name, "M": m, "path": path.value, "gemm1": asdict(g1), "gemm2": asdict(g2),
                         "us": t1[g1]})
         plan = replace(plan, gemm1=min(t1, key=t1.get))
         for g2 in candidates(per_expert, 2):
-            us = time_plan(replace(plan, gemm2=g2), calls, weights, reps)
+            us = time_plan(replace(plan, gemm2=g2), calls, weights, reps, ref)
             log.append({"shape": shape.name, "M": m, "path": path.value, "gemm1": asdict(plan.gemm1),
                         "gemm2": asdict(g2), "us": us})
             if us < best[0]:
                 best = (us, replace(plan, gemm2=g2))
     grouped = Plan(ExpertsPath.GROUPED_MM, best[1].gemm1, best[1].gemm2)
-    us = time_plan(grouped, calls, weights, reps)
+    us = time_plan(grouped, calls, weights, reps, ref)
     log.append({"shape": shape.name, "M": m, "path": "grouped_mm", "us": us})
     if us < best[0]:
         best = (us, grouped)
@@ -165,6 +191,18 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
     for tail in sorted({max(16, g2.block_m // 4), g2.block_m // 2} - {g2.block_m}):
         for pers in (0, 2):
             out.append(replace(plan, path=ExpertsPath.SORTED, gemm2=replace(g2, tail_m=tail, persistent=pers)))
+    sorted_plan = replace(plan, path=ExpertsPath.SORTED, gemm1=g1, gemm2=g2)
+    for tail in tails:  # tails on a one-program-per-tile GEMM1 (the persistent one lost with tails)
+        out.append(replace(sorted_plan, gemm1=replace(g1, tail_m=tail, persistent=0)))
+    if 16 < per_expert <= 160:  # 64-row blocks with 16/32-row tails: little padding at ~1-2 blocks per expert
+        for tail in (16, 32):
+            out.append(replace(sorted_plan, gemm1=G(64, 128, 64, ALL_M, 4, 4, 1, tail_m=tail)))
+            out.append(replace(sorted_plan, gemm2=G(64, 128, 64, ALL_M, 4, 4, 1, tail_m=tail)))
+            out.append(replace(sorted_plan, gemm2=G(64, 256, 64, ALL_M, 8, 3, 1, tail_m=tail)))
+    if 8 < per_expert <= 48:  # 32-row blocks with 16-row tails (~1-2 blocks per expert)
+        for t in (G(32, 128, 64, ALL_M, 4, 4, 1, tail_m=16), G(32, 64, 128, ALL_M, 4, 4, 1, tail_m=16)):
+            out.append(replace(sorted_plan, gemm1=t))
+            out.append(replace(sorted_plan, gemm2=t))
     return list(dict.fromkeys(out))
 
 
@@ -173,19 +211,20 @@ def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: l
     """Time the current plan and its variants in one run; GEMM1 variants first (GEMM2 fixed),
     then GEMM2 variants with the best GEMM1 (and its pre-gather choice)."""
     calls = problem(shape, m, weights)
+    ref = reference_output(calls, weights, shape, m)
     per_expert = m * shape.top_k / shape.num_experts
-    timed = {current: time_plan(current, calls, weights, reps)}
+    timed = {current: time_plan(current, calls, weights, reps, ref)}
     variants = refine_variants(current, per_expert)
     first = [v for v in variants if v.gemm2 == variants[0].gemm2]
     for plan in first:
         if plan not in timed:
-            timed[plan] = time_plan(plan, calls, weights, reps)
+            timed[plan] = time_plan(plan, calls, weights, reps, ref)
     best1 = min((p for p in timed if p.path is not ExpertsPath.GROUPED_MM), key=timed.get)
     for plan in variants:
         if plan.gemm2 != variants[0].gemm2:
             plan = replace(plan, gemm1=best1.gemm1, pre_gather=best1.pre_gather, path=best1.path)
             if plan not in timed:
-                timed[plan] = time_plan(plan, calls, weights, reps)
+                timed[plan] = time_plan(plan, calls, weights, reps, ref)
     for plan, us in timed.items():
         log.append(dict(plan.to_dict(), shape=shape.name, M=m, us=us, session=session, current=plan == current))
     best = min(timed, key=timed.get)

@@ -17,7 +17,7 @@ G = GemmConfig
 
 
 def _timer(times: dict):
-    def time_plan(plan, calls, weights, reps):
+    def time_plan(plan, calls, weights, reps, ref=None):
         times[plan] = times.get(plan, 100.0 + len(times))  # every plan slower than the last, unless set
         return times[plan]
     return time_plan
@@ -31,6 +31,8 @@ def test_variants_cover_persistence_pre_gather_and_tails():
     assert {v.gemm1.persistent for v in variants} >= {0, 1, 2} and {v.gemm2.persistent for v in variants} >= {1, 2}
     assert {v.gemm1.tail_m for v in variants} >= {32, 64} and {v.gemm2.tail_m for v in variants} >= {32, 64}
     assert all(v.path is ExpertsPath.SORTED for v in variants)
+    assert any(v.gemm1.block_m == 64 and v.gemm1.tail_m == 16 for v in variants)
+    assert any(v.gemm1.tail_m and not v.gemm1.persistent for v in variants)
     grouped = tt.refine_variants(Plan(ExpertsPath.GROUPED_MM, plan.gemm1, plan.gemm2), per_expert=128)
     assert all(v.path is ExpertsPath.SORTED and v.gemm1.tma for v in grouped[:1])  # Triton variants to compare
     pairs = tt.refine_variants(Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4)), 0.06)
@@ -45,6 +47,7 @@ def test_refine_keeps_the_fastest_timed_plan(winner, monkeypatch):
         fast = tt.refine_variants(current, 128)[3]
         times[fast] = 10.0
     monkeypatch.setattr(tt, "problem", lambda *args: None)
+    monkeypatch.setattr(tt, "reference_output", lambda *args: None)
     monkeypatch.setattr(tt, "time_plan", _timer(times))
     log = []
     us, best = tt.refine_point(tt.SHAPES["qwen3"], 2048, None, 1, log, current, session=9)
@@ -52,3 +55,16 @@ def test_refine_keeps_the_fastest_timed_plan(winner, monkeypatch):
     assert best == (current if winner == "current" else fast)
     assert sum(row["current"] for row in log) == 1 and all(row["session"] == 9 for row in log)
     assert all(Plan.from_dict(row) in times for row in log)
+
+
+def test_time_plan_skips_a_plan_with_wrong_output(monkeypatch, capsys):
+    """A fast plan whose output is off (a miscompiled variant) is never kept: it times as inf."""
+    plan = Plan(ExpertsPath.SORTED, G(64, 128, 64, 8, 4, 4, 1), G(64, 128, 64, 8, 4, 4, 1))
+    monkeypatch.setattr(tt, "graph_time_us", lambda *args: 1.0)
+    monkeypatch.setattr(tt, "plan_error", lambda *args: 0.5)
+    assert tt.time_plan(plan, [None], None, 1, ref=object()) == float("inf")
+    assert "wrong output" in capsys.readouterr().out
+    monkeypatch.setattr(tt, "plan_error", lambda *args: float("nan"))
+    assert tt.time_plan(plan, [None], None, 1, ref=object()) == float("inf")
+    monkeypatch.setattr(tt, "plan_error", lambda *args: 3e-3)
+    assert tt.time_plan(plan, [None], None, 1, ref=object()) == 1.0
