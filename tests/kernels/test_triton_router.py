@@ -54,6 +54,31 @@ def test_gemm_kernel_indexing_fp32(tokens, experts):
     assert _rel(got, x, w, b) < TOL
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemm_kernel_split_over_hidden(bias):
+    """Few token tiles: the H axis is cut into ranges (ragged last one) whose partial sums are
+    added in a fixed order; the bias is added once; repeated calls give the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 1100, generator=gen).to(DEV)
+    w = torch.randn(24, 1100, generator=gen).to(DEV)
+    b = torch.randn(24, generator=gen).to(DEV) if bias else None
+    _, _, splits, h_per = router.h_splits(40, 24, 1100, 4)
+    assert splits == 2 and h_per % 64 == 0 and h_per < 1100
+    got = router._gemm(x, w, b, torch.empty(40, 24, device=DEV))
+    assert _rel(got, x, w, b) < TOL
+    again = router._gemm(x, w, b, torch.empty(40, 24, device=DEV))
+    assert torch.equal(got, again)
+
+
+def test_split_plan_fills_the_gpu():
+    """At the DeepSeek-V3 router shape on 132 SMs: about one program per SM, ranges >= 8 steps."""
+    for tokens in (32, 256, 1024, 2048, 8192):
+        block_t, block_e, splits, h_per = router.h_splits(tokens, 256, 7168, 132)
+        programs = -(-tokens // block_t) * -(-256 // block_e) * splits
+        assert h_per % 64 == 0 and h_per >= 512 and splits * h_per >= 7168 > (splits - 1) * h_per
+        assert programs >= 100 or splits == 7168 // 512, (tokens, programs)
+
+
 def test_other_inputs_go_to_the_reference():
     x, w, _ = _inputs(5, 64, 8, torch.float32, False)
     for args in ((x.half(), w, None), (x, w.half(), None), (x.float(), w, None), (x, w.t().contiguous().t(), None)):
@@ -92,8 +117,8 @@ def test_custom_op_matches_the_formula_and_passes_opcheck():
 @pytest.mark.parametrize("tokens", [1, 8, 16, 17, 300, 2048, 4096])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["w-fp32-split", "w-bf16"])
 def test_cuda_paths_at_deepseek_router_shape(tokens, wdtype):
-    """Each kernel at the DeepSeek-V3 router shape (the GEMM kernel also below the token count
-    from which ``router_logits`` uses it), against fp64 and beside cuBLAS's fp32 GEMM."""
+    """Each kernel at the DeepSeek-V3 router shape (the GEMM split over H at the smaller token
+    counts), against fp64 and beside cuBLAS's fp32 GEMM."""
     x, w, b = _inputs(tokens, 7168, 256, wdtype, bias=tokens == 300, seed=tokens)
     if tokens <= router.GEMV_MAX_TOKENS:
         got = router.router_logits(x, w, b)
@@ -105,8 +130,12 @@ def test_cuda_paths_at_deepseek_router_shape(tokens, wdtype):
     assert ours < max(TOL, 3 * cublas)
 
 
-def test_mid_token_counts_take_the_formula():
-    """Between the GEMV and the GEMM thresholds the plain fp32 GEMM runs (it was faster there)."""
+def test_more_than_gemv_tokens_take_the_gemm_kernel(monkeypatch):
+    """Above the GEMV's 16 tokens bf16 inputs go to the tensor-core kernel (faster than the cast
+    + cuBLAS fp32 GEMM from 17 tokens on the H200, ``benchmarks/bench_router.py``)."""
+    calls = []
+    monkeypatch.setattr(router, "_gemm", lambda x, w, b, out: calls.append(x.shape[0]) or out.zero_())
     x, w, b = _inputs(router.GEMV_MAX_TOKENS + 1, 64, 8, torch.float32, True)
-    torch.testing.assert_close(router.router_logits(x, w, b), router.router_logits_reference(x, w, b),
-                               rtol=0, atol=0)
+    router.router_logits(x.bfloat16(), w, b)
+    router.router_logits(x[:16].bfloat16(), w, b)  # the GEMV
+    assert calls == [router.GEMV_MAX_TOKENS + 1]

@@ -8,15 +8,21 @@ DeepSeek-V3-style routers compute ``F.linear(x.float(), w.float())``: a cast pas
 - few tokens (``T <= 16``): a GEMV kernel, one program per expert, that reads each weight row
   once in wide loads, casting in registers and accumulating fp32 products on CUDA cores (the
   memory-bound case);
-- many tokens (``T >= 4096``; in between, the formula itself, see ``GEMM_MIN_TOKENS``): a
-  tensor-core GEMM. bf16 weights are multiplied as they are (their products with
-  bf16 inputs are exact in the fp32 accumulator, exactly what the upcast computes). fp32 weights
-  are split in registers into three bf16 parts ``hi + mid + lo`` that together hold the fp32
-  significand, and the input is multiplied with each part: three bf16 products per element, exact
-  in fp32. Each 64-wide K-chunk is summed on the tensor cores and added to the running fp32 total
-  on CUDA cores, because Hopper's tensor cores truncate their fp32 accumulation (over K = 7168 a
-  single tensor-core accumulator drifted to 2e-5 of the largest logit on an H200, against 3e-7 for
-  cuBLAS's fp32 GEMM).
+- more tokens (``T > 16``): a tensor-core GEMM. bf16 weights are multiplied as they are (their
+  products with bf16 inputs are exact in the fp32 accumulator, exactly what the upcast computes).
+  fp32 weights are split in registers into three bf16 parts ``hi + mid + lo`` that together hold
+  the fp32 significand, and the input is multiplied with each part: three bf16 products per
+  element, exact in fp32. Each 64-wide K-chunk is summed on the tensor cores and added to the
+  running fp32 total on CUDA cores, because Hopper's tensor cores truncate their fp32
+  accumulation (over K = 7168 a single tensor-core accumulator drifted to 2e-5 of the largest
+  logit on an H200, against 3e-7 for cuBLAS's fp32 GEMM). Where the token x expert tiles are
+  fewer than the SMs, H is cut into ranges (``h_splits``) whose partial sums are added in a fixed
+  order afterwards, so the grid fills the GPU and every call gives the same bits.
+
+On an H200 at DeepSeek-V3's router shape (``benchmarks/bench_router.py``, CUDA graphs, fp32
+weights) the GEMM took 0.86x the time of the cast + cuBLAS fp32 GEMM at T = 17, 0.53x at 256,
+0.36x at 2048 and 0.34x at 8192 (bf16 weights: 0.11-0.33x), with a smaller error against fp64
+than cuBLAS at every T measured (1.4-6.1e-7 of the largest logit vs 2.8e-7-2.6e-6).
 
 ``router_logits_reference`` is the plain-torch meaning. Inputs other than bf16 activations (or
 shapes the kernels do not take) go to the reference.
@@ -30,13 +36,6 @@ import triton.language as tl
 from moe_compile.ops.routing import check_router_inputs, router_logits_reference
 
 GEMV_MAX_TOKENS = 16
-# The tensor-core kernel tiles tokens x experts only (no split over H), so below a few thousand
-# tokens its grid is a few dozen programs at E = 256 (2 at T = 32, 8 at T = 256). With it there,
-# the DeepSeek-V3 layer measured 2911-2964 us at M = 32 and 5054-5132 us at M = 256 on the H200,
-# against 2716 / 4879 us with cuBLAS's fp32 GEMM in the previous session's run; at T = 8192 (128
-# programs) it took 0.34 ms against 0.84 ms + 0.21 ms for cuBLAS and the cast. Between the two
-# thresholds the formula (cuBLAS) runs; not re-measured after this change (no device time left).
-GEMM_MIN_TOKENS = 4096
 
 
 @triton.jit
@@ -61,15 +60,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, strid
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, stride_ot,
-                 SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, h_per_program, stride_xt, stride_we, stride_ot,
+                 stride_os, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Tile (tokens ``program_id(0)``, experts ``program_id(1)``) over the H range
+    ``program_id(2)`` (``h_per_program`` wide, a multiple of ``BLOCK_H``); that range's partial
+    sums go to ``out + program_id(2) * stride_os`` (the bias with range 0's)."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    part_id = tl.program_id(2)
     h = tl.arange(0, BLOCK_H)
     tmask, emask = t < T, e < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    h_lo = part_id * h_per_program
+    h_hi = tl.minimum(h_lo + h_per_program, H)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         hmask = (h0 + h) < H
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + (h0 + h)[None, :],
                     mask=tmask[:, None] & hmask[None, :], other=0.0)
@@ -91,7 +96,9 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, stride_xt, stride_we, st
         else:  # a zero the compiler cannot see, so it does not fold the add into the dot's accumulator
             acc += tl.dot(x, w, acc * 0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
+        if part_id == 0:
+            acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
+    out_ptr += part_id.to(tl.int64) * stride_os
     tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], acc,
              mask=tmask[:, None] & emask[None, :])
 
@@ -107,7 +114,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """``F.linear(x.float(), weight.float(), bias)`` -> fp32 ``[T, E]`` (see the module doc)."""
     check_router_inputs(x, weight, bias)
     num_tokens, hidden = x.shape
-    if not kernels_take(x, weight, bias) or GEMV_MAX_TOKENS < num_tokens < GEMM_MIN_TOKENS:
+    if not kernels_take(x, weight, bias):
         return router_logits_reference(x, weight, bias)
     num_experts = weight.shape[0]
     out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
@@ -123,19 +130,40 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def h_splits(num_tokens: int, num_experts: int, hidden: int, num_sms: int) -> tuple[int, int, int, int]:
+    """``(block_t, block_e, splits, h_per_program)`` of the tensor-core kernel: token x expert
+    tiles, and the H axis cut into ``splits`` ranges (multiples of 64 wide, at least 8 steps
+    each) while the grid stays within one program per SM."""
+    block_t = min(64 if num_tokens <= 1024 else 128, max(16, triton.next_power_of_2(num_tokens)))
+    block_e = min(128, max(16, triton.next_power_of_2(num_experts)))
+    tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
+    steps = triton.cdiv(hidden, 64)
+    splits = max(1, min(num_sms // tiles, steps // 8))
+    h_per_program = triton.cdiv(steps, splits) * 64
+    return block_t, block_e, triton.cdiv(hidden, h_per_program), h_per_program
+
+
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """The tensor-core kernel (fp32 inputs, which only the interpreter tests use, take fp32 FMA)."""
+    """The tensor-core kernel (fp32 inputs, which only the interpreter tests use, take fp32 FMA).
+    With the H axis split, each range's partial sums land in ``[splits, T, E]`` and are added
+    in a fixed order (``sum`` over the first dim): the same bits on every call."""
+    from moe_compile.kernels.triton.gemm import num_programs
+
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     split = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
-    block_t = 64 if num_tokens <= 1024 else 128
-    block_e = min(128, max(16, triton.next_power_of_2(num_experts)))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e))
-    _gemm_kernel[grid](x, weight, bias if bias is not None else out, out, num_tokens, num_experts, hidden,
-                       x.stride(0), weight.stride(0), out.stride(0), SPLIT=split, HAS_BIAS=bias is not None,
-                       IEEE=x.dtype == torch.float32, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
-                       num_warps=4 if block_t == 64 else 8, num_stages=3)
+    block_t, block_e, splits, h_per = h_splits(num_tokens, num_experts, hidden, num_programs(x.device))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
+    dest = out if splits == 1 else torch.empty(splits, num_tokens, num_experts, dtype=torch.float32,
+                                               device=x.device)
+    _gemm_kernel[grid](x, weight, bias if bias is not None else out, dest, num_tokens, num_experts, hidden, h_per,
+                       x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
+                       SPLIT=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
+                       num_warps=4 if block_t <= 64 else 8, num_stages=3)
+    if splits > 1:
+        torch.sum(dest, 0, out=out)
     return out
 
 
-__all__ = ["GEMM_MIN_TOKENS", "GEMV_MAX_TOKENS", "kernels_take", "router_logits", "router_logits_reference"]
+__all__ = ["GEMV_MAX_TOKENS", "h_splits", "kernels_take", "router_logits", "router_logits_reference"]
