@@ -18,7 +18,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from moe_compile.kernels.triton.aot import VARIANTS  # noqa: E402
+from moe_compile.kernels.triton.aot import ROUTER_VARIANTS, VARIANTS  # noqa: E402
 
 
 def _ptxas_available() -> bool:
@@ -39,7 +39,7 @@ def compiled():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + list(ROUTER_VARIANTS))
 def test_moe_gemm_kernel_compiles_for_sm90(compiled, variant):
     size = compiled[variant]
     assert isinstance(size, int) and size > 10_000, size

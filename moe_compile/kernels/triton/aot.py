@@ -2,8 +2,9 @@
 
     python -m moe_compile.kernels.triton.aot [--arch 90]
 
-Two sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
+Three sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
 
+- the fp32 router's tensor-core GEMM (``ROUTER_VARIANTS``: split fp32 weights, bf16 weights);
 - the expert GEMM's hand-picked bf16 variants (``VARIANTS``: sorted / pair / batched rows,
   gather, bias, expert map, TMA descriptors, the persistent kernel with and without a flattened
   tile loop);
@@ -46,6 +47,12 @@ VARIANTS = {
                                       a_desc="tensordesc<bf16[128, 64]>"),
     "persistent-flat-gemm2-tma": dict(kernel="persistent", FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
+}
+# the fp32 router's tensor-core GEMM (kernels/triton/router.py): fp32 weights split into bf16 parts
+# or bf16 weights as they are, with and without bias (selfcheck runs it only on a GPU)
+ROUTER_VARIANTS = {
+    "router-gemm-split-fp32-weights": dict(w="*fp32", SPLIT=True, HAS_BIAS=True),
+    "router-gemm-bf16-weights": dict(w="*bf16", SPLIT=False, HAS_BIAS=False),
 }
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
@@ -164,6 +171,23 @@ def compile_variant(choice: dict, arch: int) -> int:
     return len(compiled.asm["cubin"])
 
 
+def compile_router_variant(choice: dict, arch: int) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_compile.kernels.triton import router
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": choice["w"], "b_ptr": "*fp32", "out_ptr": "*fp32"}
+    constexprs = dict(SPLIT=choice["SPLIT"], HAS_BIAS=choice["HAS_BIAS"], IEEE=False, BLOCK_T=128, BLOCK_E=128,
+                      BLOCK_H=64)
+    signature = {p.name: "constexpr" if p.name in constexprs else pointers.get(p.name, "i32")
+                 for p in router._gemm_kernel.params}
+    compiled = triton.compile(ASTSource(fn=router._gemm_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "num_stages": 3})
+    return len(compiled.asm["cubin"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90)
@@ -183,6 +207,11 @@ def main(argv=None) -> int:
     for name, extra in VARIANTS.items():
         try:
             out[name] = compile_variant(dict(BASE, **extra), args.arch)
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            out[name] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
+    for name, choice in ROUTER_VARIANTS.items():
+        try:
+            out[name] = compile_router_variant(choice, args.arch)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             out[name] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
     root = str(Path(__file__).resolve().parents[3])
