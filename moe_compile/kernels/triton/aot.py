@@ -28,7 +28,7 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False, TAIL_M=0)
+            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
@@ -38,14 +38,14 @@ VARIANTS = {
     "batched-gemm1": dict(GATHER_A=False, BATCHED=True),
     "batched-gemm2-tma": dict(GATHER_A=False, GATED=False, ACT=-1, BATCHED=True, W_TMA=True, A_TMA=True,
                               w_desc=DESC, a_desc=DESC),
-    "persistent-gemm1-pregathered-tma": dict(kernel="persistent", FLATTEN=False, GATHER_A=False, W_TMA=True,
+    "persistent-gemm1-pregathered-tma": dict(PERSISTENT=True, FLATTEN=False, GATHER_A=False, W_TMA=True,
                                              A_TMA=True, w_desc=DESC, a_desc=DESC),
-    "persistent-flat-gemm1": dict(kernel="persistent", FLATTEN=True),
+    "persistent-flat-gemm1": dict(PERSISTENT=True, FLATTEN=True),
     "sorted-gemm1-tail": dict(BLOCK_M=128, TAIL_M=32, W_TMA=True, w_desc=DESC),
-    "persistent-gemm2-tail-tma": dict(kernel="persistent", FLATTEN=False, BLOCK_M=128, TAIL_M=64, GATHER_A=False,
+    "persistent-gemm2-tail-tma": dict(PERSISTENT=True, FLATTEN=False, BLOCK_M=128, TAIL_M=64, GATHER_A=False,
                                       GATED=False, ACT=-1, W_TMA=True, A_TMA=True, w_desc=DESC,
                                       a_desc="tensordesc<bf16[128, 64]>"),
-    "persistent-flat-gemm2-tma": dict(kernel="persistent", FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
+    "persistent-flat-gemm2-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }
 # the fp32 router's tensor-core GEMM (kernels/triton/router.py): fp32 weights split into bf16 parts
@@ -155,7 +155,7 @@ def compile_variant(choice: dict, arch: int) -> int:
 
     from moe_compile.kernels.triton import gemm
 
-    fn = gemm._moe_gemm_persistent_kernel if choice.get("kernel") == "persistent" else gemm._moe_gemm_kernel
+    fn = gemm._moe_gemm_kernel
     signature, constexprs = {}, {}
     for param in fn.params:
         name = param.name

@@ -201,50 +201,38 @@ def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
-    E_local, N, K, num_blocks_m, N_total, row_stride,
+    E_local, N, K, launched, N_total, row_stride,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    BATCHED: tl.constexpr, TAIL_M: tl.constexpr,
+    BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
 ):
-    """One program per (M-block, N-block) of the upper bound on M-blocks; dead blocks return."""
-    pid_m, pid_n = _grouped_pid(tl.program_id(0), num_blocks_m, tl.cdiv(N, BLOCK_N), GROUP_M)
-    live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                         PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
-    if not live:
-        return
-    _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
-                EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
-
-
-@triton.jit
-def _moe_gemm_persistent_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
-    E_local, N, K, num_progs, N_total, row_stride,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
-    up_off, col_mult, alpha, limit,
-    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
-    BATCHED: tl.constexpr, TAIL_M: tl.constexpr, FLATTEN: tl.constexpr,
-):
-    """``num_progs`` programs (about one per SM) walk the live tiles only, counted on the device
-    from the expert counts (sorted or batched blocks; ``FLATTEN`` lets the compiler overlap one
-    tile's epilogue with the next tile's loads)."""
-    eo = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-    live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), live_m * num_pid_n, num_progs, flatten=FLATTEN):
-        pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
+    """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
+    ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
+    SM) walk the live tiles only, counted on the device from the expert counts (sorted or batched
+    blocks; ``FLATTEN`` lets the compiler overlap one tile's epilogue with the next tile's loads)."""
+    if PERSISTENT:
+        eo = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+        live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
+            pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
+            live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
+                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+            _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                        N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                        stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
+                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
+    else:
+        pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                              PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+        if not live:
+            return
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
@@ -365,18 +353,18 @@ def moe_gemm(
     tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
     persistent = bool(cfg.persistent) and not pair_blocks
     if persistent:
-        programs = min(tiles, num_programs(a.device))
-        kernel, grid, extra = _moe_gemm_persistent_kernel, (programs,), dict(FLATTEN=cfg.persistent > 1)
+        launched = min(tiles, num_programs(a.device))
+        grid = (launched,)
     else:
-        programs, kernel, grid, extra = nbm, _moe_gemm_kernel, (tiles,), {}
+        launched, grid = nbm, (tiles,)
     dummy = topk_ids
     w_desc, a_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved, gather_a=gather_a,
                                       pair_blocks=pair_blocks)
-    kernel[grid](
+    _moe_gemm_kernel[grid](
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
         topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
-        num_local, n_cols, a.shape[1], programs, w.shape[2], row_stride,
+        num_local, n_cols, a.shape[1], launched, w.shape[2], row_stride,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
         1 if interleaved else n_cols, 2 if interleaved else 1,
@@ -387,7 +375,7 @@ def moe_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

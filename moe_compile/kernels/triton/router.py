@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton.gemm import num_programs
 from moe_compile.ops.routing import check_router_inputs, router_logits_reference
 
 GEMV_MAX_TOKENS = 16
@@ -147,8 +148,6 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out:
     """The tensor-core kernel (fp32 inputs, which only the interpreter tests use, take fp32 FMA).
     With the H axis split, each range's partial sums land in ``[splits, T, E]`` and are added
     in a fixed order (``sum`` over the first dim): the same bits on every call."""
-    from moe_compile.kernels.triton.gemm import num_programs
-
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     split = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
