@@ -78,3 +78,39 @@ def test_align_rejects_bad_ids():
         align(torch.zeros(6, dtype=torch.int32, device=DEV), 4)
     with pytest.raises(ValueError, match="num_local"):
         align(torch.zeros(3, 2, dtype=torch.int32, device=DEV), 0)
+
+
+@pytest.mark.parametrize("method", ["sort", "two_launch"])
+@pytest.mark.parametrize("tokens,num_experts,top_k,mapped", [
+    (1, 8, 2, False), (37, 8, 2, False), (40, 64, 6, False), (16, 128, 8, False), (29, 12, 3, True)])
+def test_every_method_groups_like_the_reference(tokens, num_experts, top_k, mapped, method):
+    """Each launch method gives the reference's counts, offsets and grouping; the one-program
+    sort (no memset: it writes every count) gives exactly the stable plain-torch order (pairs of one expert in pair order), so its
+    rows come out in the same order on every call."""
+    ids = _random_ids(tokens, num_experts, top_k, seed=tokens + num_experts)
+    emap, num_local = None, num_experts
+    if mapped:
+        emap = torch.full((num_experts,), -1, dtype=torch.int32)
+        emap[4:8] = torch.arange(4, dtype=torch.int32)
+        emap, num_local = emap.to(DEV), 4
+    al = align(ids, num_local, emap, method=method)
+    ref = align_reference(ids, num_local, emap)
+    _check(al, ref, ids, num_local)
+    if method == "sort":
+        n = int(ref.offsets[-1])
+        assert torch.equal(al.pos.cpu(), ref.pos.cpu())
+        assert torch.equal(al.sorted_pair[:n].cpu(), ref.sorted_pair[:n].cpu())
+
+
+def test_align_method_by_size():
+    from moe_compile.kernels.triton.align import SORT_MAX_PAIRS, align_method
+
+    assert align_method(1, False) == "sort"
+    assert align_method(SORT_MAX_PAIRS, False) == "sort"
+    assert align_method(SORT_MAX_PAIRS + 1, False) == "two_launch"
+    assert align_method(1, True) == "two_launch"  # the row gather is split over H in the scatter
+    ids = _random_ids(3, 8, 2, seed=1)
+    with pytest.raises(ValueError, match="method='sort'"):
+        align(ids, 8, x=torch.randn(3, 16, device=DEV), method="sort")
+    with pytest.raises(ValueError, match="method='bogus'"):
+        align(ids, 8, method="bogus")

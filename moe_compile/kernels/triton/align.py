@@ -1,6 +1,11 @@
 """Group the (token, k) pairs by expert with no host synchronisation and no padded buffers.
 
-Two launches (plus a memset of the ``E`` counters):
+Up to ``SORT_MAX_PAIRS`` pairs without a row gather (``align_method`` picks), ``sort``: one
+program histograms the pairs' experts (counts, offsets) and sorts the keys
+``expert * P_PAD + pair``, which gives the expert-ordered pair list directly, pairs of one expert
+in pair order (the row order is the same on every run), and its inverse ``pos``; no memset.
+
+More pairs, or with the gather, ``two_launch`` (plus a memset of the ``E`` counters):
 
 1. ``_count_kernel``: each pair takes a ticket from its expert's counter (``atomic_add`` returns
    the pair's rank among that expert's pairs); pairs of experts that are not local (``expert_map``
@@ -14,7 +19,8 @@ Two launches (plus a memset of the ``E`` counters):
 The sorted list is exactly ``P`` long: there is no per-expert block padding. GEMM kernels find
 their expert and row range from the counts themselves (``gemm.py``), so partial blocks are masked,
 never materialised. Ranks inside one expert follow atomic order, so the order of rows within an
-expert may change from run to run; every row is computed on its own, so results do not.
+expert may change from run to run (on this path); every row is computed on its own, so results
+do not.
 
 ``align_reference`` is the plain-torch version (stable order), built on ``modular.slots``.
 """
@@ -45,6 +51,26 @@ def _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP: tl.constexpr):
         e = tl.load(map_ptr + e, mask=pmask & (e >= 0), other=-1)
     valid = pmask & (e >= 0) & (e < E_local)
     return tl.where(valid, e, -1), valid
+
+
+@triton.jit
+def _sort_align_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, pos_ptr, offsets_ptr, P, E_local,
+                       HAS_MAP: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    """All ``P <= P_PAD`` pairs in one program: histogram -> counts/offsets, sort -> permutation.
+    Non-local pairs (and the padding lanes) take bucket ``E_PAD``, so they sort after every local
+    pair and fall in a histogram bin that is never stored."""
+    p = tl.arange(0, P_PAD)
+    e, valid = _local_expert(ids_ptr, map_ptr, p, p < P, E_local, HAS_MAP)
+    bucket = tl.where(valid, e, E_PAD)
+    counts = tl.histogram(bucket, 2 * E_PAD)
+    b = tl.arange(0, 2 * E_PAD)
+    tl.store(counts_ptr + b, counts, mask=b < E_local)
+    tl.store(offsets_ptr + b, tl.cumsum(counts, 0), mask=b < E_local)
+    key = tl.sort(bucket * P_PAD + p)
+    pair = key % P_PAD
+    local = key < E_PAD * P_PAD
+    tl.store(sorted_ptr + p, pair, mask=local)  # row p of the expert order holds pair `pair`
+    tl.store(pos_ptr + pair, tl.where(local, p, -1), mask=pair < P)
 
 
 @triton.jit
@@ -103,15 +129,36 @@ def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor 
         raise TypeError(f"expert_map must be a 1-D int32 tensor, but got {expert_map.dtype} {tuple(expert_map.shape)}.")
 
 
+# one-program sort up to this many pairs (no row gather); beyond, the two launches are faster.
+# H200, CUDA graphs (benchmarks/bench_align_combine.py --only align, results/align_combine.json):
+# 256 pairs 2.9-3.3 us vs 5.7-5.9; 512 pairs 3.6 vs 5.4; 2048 pairs 19-21 vs 6.2-6.7.
+SORT_MAX_PAIRS = 512
+METHODS = ("sort", "two_launch")
+
+
+def align_method(pairs: int, gather: bool) -> str:
+    """``"sort"`` for up to ``SORT_MAX_PAIRS`` pairs without a row gather, else ``"two_launch"``."""
+    return "sort" if pairs <= SORT_MAX_PAIRS and not gather else "two_launch"
+
+
+def _sort_warps(p_pad: int) -> int:
+    return 4 if p_pad <= 1024 else 8
+
+
 def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None,
-          x: torch.Tensor | None = None, block: int = 256) -> Alignment:
-    """Sort the pairs of ``topk_ids [T, k]`` by local expert; with ``x`` also gather its rows."""
+          x: torch.Tensor | None = None, block: int = 256, method: str | None = None) -> Alignment:
+    """Sort the pairs of ``topk_ids [T, k]`` by local expert; with ``x`` also gather its rows.
+    ``method`` (``METHODS``; default: ``align_method``) picks the launch; ``"sort"`` keeps the
+    pairs of one expert in pair order."""
     _check_ids(topk_ids, num_local, expert_map)
     num_tokens, top_k = topk_ids.shape
     pairs = num_tokens * top_k
+    method = method or align_method(pairs, x is not None)
+    if method not in METHODS or (x is not None and method != "two_launch"):
+        raise ValueError(f"method={method!r} must be one of {METHODS} ('two_launch' when x is given).")
     dev = topk_ids.device
-    counts = torch.zeros(num_local, dtype=torch.int32, device=dev)
-    rank = torch.empty(pairs, dtype=torch.int32, device=dev)
+    # the sort writes every count itself; the atomic tickets of two launches need zeroed counters
+    counts = (torch.zeros if method == "two_launch" else torch.empty)(num_local, dtype=torch.int32, device=dev)
     # rows past the last valid one (only with an expert_map) are never written: keep them in range
     sorted_pair = (torch.zeros if expert_map is not None else torch.empty)(pairs, dtype=torch.int32, device=dev)
     pos = torch.empty(pairs, dtype=torch.int32, device=dev)
@@ -122,12 +169,19 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
             raise ValueError(f"x must be [T={num_tokens}, H] with a contiguous last dim, but got {tuple(x.shape)}.")
         x_sorted = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=dev)
     if pairs == 0:
-        return Alignment(sorted_pair, pos, counts, offsets.zero_(), x_sorted)
+        return Alignment(sorted_pair, pos, counts.zero_(), offsets.zero_(), x_sorted)
     has_map = expert_map is not None
-    grid = (triton.cdiv(pairs, block),)
-    _count_kernel[grid](topk_ids, expert_map if has_map else topk_ids, counts, rank, pairs, num_local,
-                        HAS_MAP=has_map, BLOCK=block, num_warps=4)
+    ids_map = expert_map if has_map else topk_ids
     e_pad = triton.next_power_of_2(num_local)
+    if method == "sort":
+        p_pad = triton.next_power_of_2(pairs)
+        _sort_align_kernel[(1,)](topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
+                                 HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad))
+        return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
+    rank = torch.empty(pairs, dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(pairs, block),)
+    _count_kernel[grid](topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
+                        num_warps=4)
     hidden = 0 if x is None else x.shape[1]
     if x is None:
         scatter_block, block_h, chunk_h = max(16, min(block, 8192 // e_pad)), 16, 0
@@ -137,7 +191,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         chunk_h = 512  # a multiple of block_h (a power of two <= 256)
     grid = (triton.cdiv(pairs, scatter_block), triton.cdiv(hidden, chunk_h) if x is not None else 1)
     _scatter_kernel[grid](
-        topk_ids, expert_map if has_map else topk_ids, counts, rank, sorted_pair, pos, offsets,
+        topk_ids, ids_map, counts, rank, sorted_pair, pos, offsets,
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
         chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
         TOP_K=top_k, HAS_MAP=has_map, GATHER=x is not None, E_PAD=e_pad, BLOCK=scatter_block,
@@ -157,4 +211,4 @@ def align_reference(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Te
     return Alignment(order, pos, slots.expert_num_tokens, slots.offsets, x_sorted)
 
 
-__all__ = ["Alignment", "align", "align_reference"]
+__all__ = ["METHODS", "SORT_MAX_PAIRS", "Alignment", "align", "align_method", "align_reference"]

@@ -1,0 +1,134 @@
+"""Each stage of the sorted experts path timed on its own, with the alternatives per GEMM (CUDA).
+
+    python benchmarks/gemm_split.py [--points mixtral:2048 qwen3:8192 ...] [--out DIR]
+
+For each ``shape:M`` point (routing of random logits, as ``tune_triton.py`` does; CUDA graph over
+``ROTATE`` routings, so weights come from HBM), the per-call GPU time of:
+
+- ``align``: count + scatter (+ the row gather when the tuned plan pre-gathers);
+- ``gemm1 triton``: the tuned plan's first GEMM (activation fused), ``gemm1 grouped_mm``:
+  ``torch._grouped_mm`` on the gathered rows followed by the activation pass (``gemm1 act``
+  is that pass alone);
+- ``gemm2 triton`` / ``gemm2 grouped_mm``: the second GEMM on the expert-ordered activations;
+- ``combine``;
+- ``dense``: cuBLAS doing each GEMM's size as one dense GEMM (``[P, H] @ [H, 2I]``, ``[P, I] @ [I, H]``);
+- each GEMM's bound: max(its weight bytes / 4.8 TB/s, its FLOPs / 790 TFLOP/s).
+
+This says which GEMM is where against the bound, and whether CUTLASS's grouped GEMM beats ours
+for one of the two GEMMs (the ``grouped_gemm2`` plan option runs the second GEMM there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, graph_time_us  # noqa: E402
+from tune_triton import hf_layout_weights, problem  # noqa: E402
+
+from moe_compile.kernels.triton.activation import activation  # noqa: E402
+from moe_compile.kernels.triton.align import align  # noqa: E402
+from moe_compile.kernels.triton.combine import combine  # noqa: E402
+from moe_compile.kernels.triton.experts import plan_for  # noqa: E402
+from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
+from moe_compile.ops.config import ExpertsConfig  # noqa: E402
+
+
+def split(name: str, m: int, reps: int) -> dict:
+    shape = SHAPES[name]
+    weights = hf_layout_weights(shape)
+    calls = problem(shape, m, weights)
+    plan = plan_for(calls[0][0], shape.top_k, weights)
+    cfg = ExpertsConfig()
+    k, h, i = shape.top_k, shape.hidden, shape.inter
+    pairs = m * k
+    # per routing: its alignment (with gathered rows) and the buffers each stage reads and writes
+    st = []
+    for x, w, ids in calls:
+        al = align(ids, shape.num_experts, x=x)
+        st.append(dict(x=x, w=w, ids=ids, al=al, act=torch.empty(pairs, i, dtype=x.dtype, device="cuda"),
+                       y=torch.empty(pairs, h, dtype=x.dtype, device="cuda"),
+                       out=torch.empty(m, h, dtype=x.dtype, device="cuda")))
+    common = dict(top_k=k, expert_map=None)
+
+    def gemm1_triton(s):
+        a1 = s["al"].x_sorted if plan.pre_gather else s["x"]
+        moe_gemm(a1, weights.w13, s["act"], topk_ids=s["ids"], counts=s["al"].counts,
+                 sorted_pair=s["al"].sorted_pair, experts=cfg, gather_a=not plan.pre_gather, config=plan.gemm1,
+                 **common)
+
+    def gemm1_grouped(s):
+        hh = torch._grouped_mm(s["al"].x_sorted, weights.w13, offs=s["al"].offsets)
+        activation(hh, cfg)
+
+    h_full = torch.empty(pairs, 2 * i, dtype=torch.bfloat16, device="cuda")
+
+    def gemm1_act(s):
+        activation(h_full, cfg)
+
+    def gemm2_triton(s):
+        moe_gemm(s["act"], weights.w2, s["y"], topk_ids=s["ids"], counts=s["al"].counts,
+                 sorted_pair=s["al"].sorted_pair, gather_a=False, config=plan.gemm2, **common)
+
+    def gemm2_grouped(s):
+        torch._grouped_mm(s["act"], weights.w2, offs=s["al"].offsets)
+
+    def align_only(s):
+        align(s["ids"], shape.num_experts, x=s["x"] if plan.pre_gather else None)
+
+    def combine_only(s):
+        combine(s["y"], s["w"], s["out"], pos=s["al"].pos)
+
+    a_dense = torch.randn(pairs, h, device="cuda").bfloat16()
+    w1_dense = weights.w13[0].new_empty(h, 2 * i).normal_()
+    act_dense = torch.randn(pairs, i, device="cuda").bfloat16()
+    w2_dense = weights.w2[0].new_empty(i, h).normal_()
+    stages = {
+        "align": align_only, "gemm1 triton": gemm1_triton, "gemm1 grouped_mm": gemm1_grouped,
+        "gemm1 act": gemm1_act, "gemm2 triton": gemm2_triton, "gemm2 grouped_mm": gemm2_grouped,
+        "combine": combine_only,
+        "gemm1 dense": lambda s: torch.mm(a_dense, w1_dense), "gemm2 dense": lambda s: torch.mm(act_dense, w2_dense),
+    }
+    hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)
+    row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits}
+    for gemm, n_w in (("gemm1", 2 * h * i), ("gemm2", h * i)):
+        row[f"{gemm} bound"] = max(hits * n_w * 2 / HBM_BYTES_PER_S, 2 * pairs * n_w / BF16_FLOP_PER_S) * 1e6
+    for key, fn in stages.items():
+        try:
+            row[key] = graph_time_us(fn, st, reps)
+        except Exception as exc:  # e.g. no _grouped_mm in this torch
+            row[key] = None
+            print(f"  {key}: {type(exc).__name__}: {str(exc)[:100]}")
+    print(f"\n{name} M={m} plan {plan.to_dict()}")
+    for key in stages:
+        v = row[key]
+        bound = row.get(f"{key.split()[0]} bound")
+        ratio = f"  {v / bound:5.2f}x its bound" if v and bound and "act" not in key else ""
+        print(f"  {key:18s} {v if v is None else round(v, 1)!s:>9} us{ratio}")
+    del weights, calls, st
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", nargs="+", default=["mixtral:2048", "mixtral:8192", "qwen3:2048", "qwen3:8192",
+                                                        "deepseek_v3:2048", "deepseek_v3:8192"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=None, help="directory for gemm_split.json")
+    args = parser.parse_args(argv)
+    rows = [split(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gemm_split.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
