@@ -320,7 +320,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-dense", action="store_true", help="skip the cuBLAS dense-GEMM column")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch our kernels without programmatic dependent launch (kernels/triton/pdl.py)")
     args = parser.parse_args(argv)
+    if args.no_pdl:
+        from moe_compile.kernels.triton import pdl
+        pdl.FORCE = False
     if not torch.cuda.is_available():
         print("bench_moe_layer needs a CUDA device", file=sys.stderr)
         return 2

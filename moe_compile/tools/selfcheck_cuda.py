@@ -107,17 +107,23 @@ def _router_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     return out
 
 
-def _align_check(s: Setup, gen: torch.Generator) -> Check:
-    from moe_compile.kernels.triton.align import align
+def _align_checks(s: Setup, gen: torch.Generator) -> list[Check]:
+    from moe_compile.kernels.triton.align import METHODS
 
     ids = torch.randint(0, s.experts, (s.tokens, s.top_k), generator=gen, dtype=torch.int32).to(s.device)
-    al = align(ids, s.experts)
+    return [_align_check(s, ids, method) for method in METHODS]
+
+
+def _align_check(s: Setup, ids: torch.Tensor, method: str) -> Check:
+    from moe_compile.kernels.triton.align import align
+
+    al = align(ids, s.experts, method=method)
     counts = torch.bincount(ids.view(-1).long().cpu(), minlength=s.experts)
     expert_of_row = ids.view(-1).long().cpu()[al.sorted_pair.long().cpu()]
     pos = al.pos.long().cpu()
     ok = (torch.equal(al.counts.long().cpu(), counts) and bool((expert_of_row.diff() >= 0).all())
           and torch.equal(al.sorted_pair.long().cpu()[pos], torch.arange(pos.numel())))
-    return Check("align", f"{s.tokens}x{s.top_k} pairs", 0.0, 0.0, ok, "" if ok else "grouping wrong")
+    return Check("align", f"{s.tokens}x{s.top_k} pairs, {method}", 0.0, 0.0, ok, "" if ok else "grouping wrong")
 
 
 def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
@@ -204,7 +210,7 @@ def _compare(name: str, case: str, fn: Callable[[], torch.Tensor], want: torch.T
 def run_cuda_checks(device: torch.device, seed: int = 0) -> list[Check]:
     s = setup_for(device)
     gen = torch.Generator().manual_seed(seed)
-    checks = _routing_checks(s, gen) + _router_checks(s, gen) + [_align_check(s, gen)] + _experts_checks(s, gen)
+    checks = _routing_checks(s, gen) + _router_checks(s, gen) + _align_checks(s, gen) + _experts_checks(s, gen)
     return checks + [_batched_check(s, gen), _graph_check(s, gen)]
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.modular.slots import batched_slots
 
 
@@ -55,10 +56,11 @@ def _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP: tl.constexpr):
 
 @triton.jit
 def _sort_align_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, pos_ptr, offsets_ptr, P, E_local,
-                       HAS_MAP: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr):
+                       HAS_MAP: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """All ``P <= P_PAD`` pairs in one program: histogram -> counts/offsets, sort -> permutation.
     Non-local pairs (and the padding lanes) take bucket ``E_PAD``, so they sort after every local
     pair and fall in a histogram bin that is never stored."""
+    pdl_enter(PDL)
     p = tl.arange(0, P_PAD)
     e, valid = _local_expert(ids_ptr, map_ptr, p, p < P, E_local, HAS_MAP)
     bucket = tl.where(valid, e, E_PAD)
@@ -75,7 +77,8 @@ def _sort_align_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, pos_ptr, offset
 
 @triton.jit
 def _count_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, P, E_local,
-                  HAS_MAP: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_MAP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     pmask = p < P
     e, valid = _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP)
@@ -87,9 +90,10 @@ def _count_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, P, E_local,
 def _scatter_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, sorted_ptr, pos_ptr, offsets_ptr,
                     x_ptr, xs_ptr, P, E_local, H, CHUNK_H, stride_x, stride_xs,
                     TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATHER: tl.constexpr,
-                    E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+                    E_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``(i, j)``: pairs block ``i``; the ``j == 0`` programs write the permutation, and
     with ``GATHER`` program ``j`` copies columns ``[j * CHUNK_H, (j + 1) * CHUNK_H)`` of the rows."""
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     hid = tl.program_id(1)
     eo = tl.arange(0, E_PAD)
@@ -176,12 +180,13 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     if method == "sort":
         p_pad = triton.next_power_of_2(pairs)
         _sort_align_kernel[(1,)](topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
-                                 HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad))
+                                 HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad),
+                                 **pdl_launch(dev))
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     rank = torch.empty(pairs, dtype=torch.int32, device=dev)
     grid = (triton.cdiv(pairs, block),)
     _count_kernel[grid](topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
-                        num_warps=4)
+                        num_warps=4, **pdl_launch(dev))
     hidden = 0 if x is None else x.shape[1]
     if x is None:
         scatter_block, block_h, chunk_h = max(16, min(block, 8192 // e_pad)), 16, 0
@@ -195,7 +200,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
         chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
         TOP_K=top_k, HAS_MAP=has_map, GATHER=x is not None, E_PAD=e_pad, BLOCK=scatter_block,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, num_warps=4, **pdl_launch(dev))
     return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
 
 

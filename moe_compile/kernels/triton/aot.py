@@ -28,10 +28,11 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False)
+            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
+    "sorted-gemm1-pdl": dict(PDL=True),
     "pairs-gemm1-map": dict(PAIR_BLOCKS=True, HAS_MAP=True),
     "sorted-gemm2-bias": dict(GATHER_A=False, GATED=False, ACT=-1, HAS_BIAS=True),
     "sorted-gemm1-tma": dict(W_TMA=True, w_desc=DESC),
@@ -108,7 +109,9 @@ def record_launches() -> dict:
     return {"launches": list(unique.values()), "failed": failed}
 
 
-def compile_record(record: dict, arch: int) -> int:
+def compile_record(record: dict, arch: int, pdl: bool = False) -> int:
+    """Compile one recorded launch; ``pdl``: with its ``PDL`` constexpr on (the interpreter never
+    launches with programmatic dependent launch, a GPU does)."""
     import importlib
 
     import triton
@@ -118,7 +121,10 @@ def compile_record(record: dict, arch: int) -> int:
     fn = getattr(importlib.import_module(record["module"]), record["name"])
     signature, constexprs = {}, {}
     for param in fn.params:
-        arg = record["args"][param.name]
+        # a constexpr left at its default was not passed, so not recorded
+        arg = record["args"].get(param.name, {"kind": "default", "value": param.default})
+        if param.name == "PDL":
+            arg = {"kind": "bool", "value": pdl}
         kind = arg["kind"]
         if param.is_constexpr or kind == "none":
             signature[param.name] = "constexpr"
@@ -135,6 +141,13 @@ def compile_record(record: dict, arch: int) -> int:
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options=options)
     return len(compiled.asm["cubin"])
+
+
+def _param_names(record: dict) -> set[str]:
+    import importlib
+
+    fn = getattr(importlib.import_module(record["module"]), record["name"])
+    return {p.name for p in fn.params}
 
 
 def _recorded(root: str) -> dict:
@@ -219,11 +232,13 @@ def main(argv=None) -> int:
     # checks that failed under this triton's interpreter launched fewer kernels: say so
     out["interpreter_failed"] = recorded["failed"]
     for i, record in enumerate(recorded["launches"]):
-        key = "launch %d: %s" % (i, record["name"])
-        try:
-            out[key] = compile_record(record, args.arch)
-        except Exception as exc:  # noqa: BLE001
-            out[key] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
+        fn_params = _param_names(record)
+        for pdl in (False, True) if "PDL" in fn_params else (False,):
+            key = "launch %d: %s%s" % (i, record["name"], " +pdl" if pdl else "")
+            try:
+                out[key] = compile_record(record, args.arch, pdl)
+            except Exception as exc:  # noqa: BLE001
+                out[key] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
     print(json.dumps(out))
     return 0
 

@@ -13,11 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
+
 
 @triton.jit
 def _combine_kernel(y_ptr, w_ptr, pos_ptr, ids_ptr, map_ptr, out_ptr, T, H, E_local, stride_y, stride_o,
                     TOP_K: tl.constexpr, K_PAD: tl.constexpr, PAIR_ROWS: tl.constexpr, HAS_MAP: tl.constexpr,
-                    WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                    WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tmask = t < T
@@ -76,7 +79,7 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *, p
                           expert_map if expert_map is not None else ids, out, num_tokens, hidden, num_local,
                           y.stride(0), out.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                           PAIR_ROWS=pos is None, HAS_MAP=expert_map is not None, WEIGHTED=weighted,
-                          BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+                          BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps, **pdl_launch(y.device))
     return out
 
 

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from moe_compile.kernels.triton import interpreting
 from moe_compile.kernels.triton.activation import act_code, apply_act
+from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import apply_activation
 from moe_compile.ops.config import ExpertsConfig
 
@@ -209,11 +210,13 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
     SM) walk the live tiles only, counted on the device from the expert counts (sorted or batched
     blocks; ``FLATTEN`` lets the compiler overlap one tile's epilogue with the next tile's loads)."""
+    pdl_enter(PDL)
     if PERSISTENT:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
@@ -376,6 +379,7 @@ def moe_gemm(
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_launch(a.device),
     )
     return out
 

@@ -15,6 +15,8 @@ import torch
 
 import triton
 import triton.language as tl
+
+from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts as route_reference
 
@@ -61,8 +63,9 @@ def _route_kernel(
     T, G, S, stride_lt, scaling, eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, K_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, AFTER_TOPK: tl.constexpr,
-    BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     neg_inf = float("-inf")
     t1 = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t3 = t1[:, None, None]
@@ -173,7 +176,7 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig,
         TOP_K=cfg.top_k, K_PAD=_pow2(cfg.top_k), K_GROUP=cfg.k_group if cfg.grouped else 0,
         GROUP_MODE=cfg.group_select_mode, SIGMOID=sigmoid, HAS_BIAS=has_bias, RENORM=renorm,
         AFTER_TOPK=cfg.scoring_after_topk, BLOCK_T=block_t, G_PAD=g_pad, S_PAD=s_pad,
-        num_warps=4 if g_pad * s_pad * block_t >= 1024 else 2,
+        num_warps=4 if g_pad * s_pad * block_t >= 1024 else 2, **pdl_launch(router_logits.device),
     )
     return weights, ids
 
