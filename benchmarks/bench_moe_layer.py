@@ -323,8 +323,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch our kernels without programmatic dependent launch (kernels/triton/pdl.py)")
     args = parser.parse_args(argv)
+    from moe_compile.kernels.triton import pdl
     if args.no_pdl:
-        from moe_compile.kernels.triton import pdl
         pdl.FORCE = False
     if not torch.cuda.is_available():
         print("bench_moe_layer needs a CUDA device", file=sys.stderr)
@@ -334,7 +334,8 @@ def main(argv=None) -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     print(HEADER, flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rotate": ROTATE,
-            "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv}
+            "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv,
+            "pdl": pdl.pdl_enabled(torch.device("cuda"))}
     rows = []
     for name in args.shapes:
         rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense)
