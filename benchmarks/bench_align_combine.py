@@ -71,14 +71,14 @@ def bench_combine(reps: int) -> list[dict]:
                 calls.append((y, w, pos, torch.empty(m, h, dtype=torch.bfloat16, device="cuda")))
             bytes_moved = (m * k + m) * h * 2
             row = {"shape": shape.name, "M": m, "T": m, "H": h, "k": k,
-                   "bound_us": bytes_moved / HBM_BYTES_PER_S * 1e6, "rule": list(combine_blocks(m, h))}
+                   "bound_us": bytes_moved / HBM_BYTES_PER_S * 1e6, "rule": list(combine_blocks(h))}
             times = {}
-            for cand in dict.fromkeys([combine_blocks(m, h)] + COMBINE_CANDIDATES):
+            for cand in dict.fromkeys([combine_blocks(h)] + COMBINE_CANDIDATES):
                 def fn(c, cand=cand):
                     combine(c[0], c[1], c[3], pos=c[2], blocks=cand)
                 times[cand] = graph_time_us(fn, calls, reps)
             best = min(times, key=times.get)
-            row.update(rule_us=times[combine_blocks(m, h)], best=list(best), best_us=times[best],
+            row.update(rule_us=times[combine_blocks(h)], best=list(best), best_us=times[best],
                        all={f"{bt}x{bh}x{w}": t for (bt, bh, w), t in times.items()})
             print(f"  combine {shape.name:12s} T={m:5d} H={h} k={k}: rule {row['rule']} {row['rule_us']:7.1f} us, "
                   f"best {row['best']} {row['best_us']:7.1f} us, bytes/4.8TB/s {row['bound_us']:7.1f} us", flush=True)

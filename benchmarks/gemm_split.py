@@ -12,7 +12,9 @@ For each ``shape:M`` point (routing of random logits, as ``tune_triton.py`` does
 - ``gemm2 triton`` / ``gemm2 grouped_mm``: the second GEMM on the expert-ordered activations;
 - ``combine``;
 - ``dense``: cuBLAS doing each GEMM's size as one dense GEMM (``[P, H] @ [H, 2I]``, ``[P, I] @ [I, H]``);
-- each GEMM's bound: max(its weight bytes / 4.8 TB/s, its FLOPs / 790 TFLOP/s).
+- each GEMM's bound: max(its weight bytes / 4.8 TB/s, its FLOPs / 790 TFLOP/s);
+- first, what HBM bandwidth the GPU reaches at all: a 1.2 GB bf16 copy and a 1.2 GB sum
+  (``hbm_probe``), the floor under every memory-bound point.
 
 This says which GEMM is where against the bound, and whether CUTLASS's grouped GEMM beats ours
 for one of the two GEMMs (the ``grouped_gemm2`` plan option runs the second GEMM there).
@@ -38,6 +40,30 @@ from moe_compile.kernels.triton.combine import combine  # noqa: E402
 from moe_compile.kernels.triton.experts import plan_for  # noqa: E402
 from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
 from moe_compile.ops.config import ExpertsConfig  # noqa: E402
+
+
+def hbm_probe(nbytes: float = 1.2e9, reps: int = 20) -> dict:
+    """TB/s of a ``nbytes`` bf16 copy (read + write counted) and sum (read): CUDA events, the mean
+    of ``reps`` calls after three warm-up calls."""
+    x = torch.empty(int(nbytes) // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    out = {}
+    for name, fn, moved in (("copy", lambda: y.copy_(x), 2 * nbytes), ("sum", lambda: x.sum(), nbytes)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        sec = start.elapsed_time(end) / reps * 1e-3
+        out[name] = {"us": sec * 1e6, "tb_per_s": moved / sec / 1e12}
+        print(f"  HBM {name}: {sec * 1e6:.1f} us, {moved / sec / 1e12:.2f} TB/s", flush=True)
+    del x, y
+    torch.cuda.empty_cache()
+    return out
 
 
 def split(name: str, m: int, reps: int) -> dict:
@@ -123,10 +149,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for gemm_split.json")
     args = parser.parse_args(argv)
-    rows = [split(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]
+    result = {"hbm_probe": hbm_probe(),
+              "rows": [split(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gemm_split.json").write_text(json.dumps(rows, indent=1))
+        (Path(args.out) / "gemm_split.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -114,3 +114,6 @@ def test_align_method_by_size():
         align(ids, 8, x=torch.randn(3, 16, device=DEV), method="sort")
     with pytest.raises(ValueError, match="method='bogus'"):
         align(ids, 8, method="bogus")
+    # the sort's int32 keys (expert * P_PAD + pair) bound the pairs it takes: refused, not wrapped
+    with pytest.raises(ValueError, match="method='sort' takes at most 2047 pairs"):
+        align(torch.zeros(4096, 1, dtype=torch.int32, device=DEV), 1 << 20, method="sort")

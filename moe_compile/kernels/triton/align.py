@@ -179,6 +179,9 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     e_pad = triton.next_power_of_2(num_local)
     if method == "sort":
         p_pad = triton.next_power_of_2(pairs)
+        if (e_pad + 1) * p_pad > 2 ** 31 - 1:  # the int32 sort keys expert * P_PAD + pair
+            raise ValueError(f"method='sort' takes at most {(2 ** 31 - 1) // (e_pad + 1)} pairs with {num_local} "
+                             f"local experts (int32 sort keys), but got {pairs} pairs; use method='two_launch'.")
         _sort_align_kernel[(1,)](topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
                                  HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad),
                                  **pdl_launch(dev))

@@ -46,7 +46,7 @@ def _combine_kernel(y_ptr, w_ptr, pos_ptr, ids_ptr, map_ptr, out_ptr, T, H, E_lo
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & hmask[None, :])
 
 
-def combine_blocks(num_tokens: int, hidden: int) -> tuple[int, int, int]:
+def combine_blocks(hidden: int) -> tuple[int, int, int]:
     """``(BLOCK_T, BLOCK_H, num_warps)`` of a launch. 8 x 256 with 8 warps (8 bf16 per thread) was
     within 6 % of the fastest candidate on average and faster than the previous rule (4 x 1024,
     4 warps) at all 15 of the issue's points on the H200: e.g. Qwen3 T=256 6.4 -> 5.5 us, DeepSeek-V3
@@ -72,7 +72,7 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *, p
     if num_tokens == 0:
         return out
     hidden = y.shape[1]
-    block_t, block_h, warps = blocks or combine_blocks(num_tokens, hidden)
+    block_t, block_h, warps = blocks or combine_blocks(hidden)
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     ids = topk_ids if topk_ids is not None else pos
     _combine_kernel[grid](y, topk_weights, pos if pos is not None else ids, ids,
