@@ -66,6 +66,18 @@ def hbm_probe(nbytes: float = 1.2e9, reps: int = 20) -> dict:
     return out
 
 
+def stage_inputs(shape, m: int, calls) -> list[dict]:
+    """Per routing: its alignment (with gathered rows) and the buffers each stage reads and writes."""
+    pairs = m * shape.top_k
+    st = []
+    for x, w, ids in calls:
+        al = align(ids, shape.num_experts, x=x)
+        st.append(dict(x=x, w=w, ids=ids, al=al, act=torch.empty(pairs, shape.inter, dtype=x.dtype, device="cuda"),
+                       y=torch.empty(pairs, shape.hidden, dtype=x.dtype, device="cuda"),
+                       out=torch.empty(m, shape.hidden, dtype=x.dtype, device="cuda")))
+    return st
+
+
 def split(name: str, m: int, reps: int) -> dict:
     shape = SHAPES[name]
     weights = hf_layout_weights(shape)
@@ -74,13 +86,7 @@ def split(name: str, m: int, reps: int) -> dict:
     cfg = ExpertsConfig()
     k, h, i = shape.top_k, shape.hidden, shape.inter
     pairs = m * k
-    # per routing: its alignment (with gathered rows) and the buffers each stage reads and writes
-    st = []
-    for x, w, ids in calls:
-        al = align(ids, shape.num_experts, x=x)
-        st.append(dict(x=x, w=w, ids=ids, al=al, act=torch.empty(pairs, i, dtype=x.dtype, device="cuda"),
-                       y=torch.empty(pairs, h, dtype=x.dtype, device="cuda"),
-                       out=torch.empty(m, h, dtype=x.dtype, device="cuda")))
+    st = stage_inputs(shape, m, calls)
     common = dict(top_k=k, expert_map=None)
 
     def gemm1_triton(s):

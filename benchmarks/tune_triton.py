@@ -51,6 +51,7 @@ LARGE2 = [G(128, 256, 64, 8, 8, 3), G(128, 256, 64, 8, 8, 4), G(128, 256, 64, 16
           G(128, 128, 64, 8, 4, 4), G(128, 256, 64, ALL_M, 8, 3)]
 
 
+GROUPS = (1, 2, 4, 8, 16, ALL_M)
 MID_EXTRA = [G(64, 128, 64, ALL_M, 8, 4), G(128, 128, 64, ALL_M, 8, 4)]
 LARGE_EXTRA = [G(64, 128, 64, ALL_M, 4, 4), G(128, 128, 64, ALL_M, 8, 4), G(64, 256, 64, 8, 8, 3)]
 
@@ -70,15 +71,20 @@ def candidates(per_expert: float, gemm: int, tma: bool = True) -> list[GemmConfi
     return with_tma(base) if tma else list(base)
 
 
-def problem(shape: Shape, m: int, weights: ExpertWeights):
-    from moe_compile.kernels.triton.routing import route
+def routing_config(shape: Shape):
     from moe_compile.ops.config import RoutingConfig, RoutingMethod
 
     r = shape.routing
-    cfg = RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
-                        renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
-                        k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
-                        group_select_mode=r.get("group_select_mode", 0))
+    return RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
+                         renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
+                         k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
+                         group_select_mode=r.get("group_select_mode", 0))
+
+
+def problem(shape: Shape, m: int, weights: ExpertWeights):
+    from moe_compile.kernels.triton.routing import route
+
+    cfg = routing_config(shape)
     gen = torch.Generator(device="cuda").manual_seed(m)
     calls = []
     for _ in range(ROTATE):
@@ -203,6 +209,12 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
         for t in (G(32, 128, 64, ALL_M, 4, 4, 1, tail_m=16), G(32, 64, 128, ALL_M, 4, 4, 1, tail_m=16)):
             out.append(replace(sorted_plan, gemm1=t))
             out.append(replace(sorted_plan, gemm2=t))
+    # the tile order of the tuned GEMMs: how many M-blocks share each N-block in turn (one expert's
+    # rows stay in L2 while all its N-blocks read them: sweep_gemm.py --variants group, sixth session)
+    if plan.path is not ExpertsPath.GROUPED_MM:
+        for group in GROUPS:
+            out.append(replace(plan, gemm1=replace(plan.gemm1, group_m=group)))
+            out.append(replace(plan, gemm2=replace(plan.gemm2, group_m=group)))
     return list(dict.fromkeys(out))
 
 
@@ -241,6 +253,12 @@ def hf_layout_weights(shape: Shape) -> ExpertWeights:
     return ExpertWeights(w13, w2)
 
 
+def write_table(path: Path, table: dict) -> None:
+    """A tuned-plans file: token counts in order, notes last."""
+    path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: (
+        kv[0].startswith("_"), int(kv[0]) if kv[0].isdigit() else 0))), indent=1))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -277,9 +295,7 @@ def main(argv=None) -> int:
             table[str(m)] = dict(plan.to_dict(), us=round(us, 1))
             table["_note"] = (f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, "
                               f"torch {torch.__version__}")
-            # after each point, so a run cut short keeps what it measured
-            path.write_text(json.dumps(dict(sorted(table.items(), key=lambda kv: (
-                kv[0].startswith("_"), int(kv[0]) if kv[0].isdigit() else 0))), indent=1))
+            write_table(path, table)  # after each point, so a run cut short keeps what it measured
             if args.log:
                 Path(args.log).write_text(json.dumps(log, indent=0))
         print("wrote", path, flush=True)

@@ -11,7 +11,7 @@ CUDA = torch.cuda.is_available()
 # session by tests/conftest.py before triton is first imported).
 pytest.importorskip("triton")
 
-from moe_compile.kernels.triton.routing import route, route_reference  # noqa: E402
+from moe_compile.kernels.triton.routing import route, route_launch, route_reference  # noqa: E402
 from moe_compile.ops.config import RoutingConfig, RoutingMethod  # noqa: E402
 
 
@@ -45,6 +45,33 @@ def test_route_matches_reference(name):
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids.cpu(), ref_ids.cpu())
     torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("launch", [(1, 1), (2, 2), (4, 1), (8, 4)])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen2_60", "mixtral"])
+def test_route_any_launch_matches_reference(name, launch):
+    """Tokens per program (and warps, on CUDA) change the layout only: a partial last program too."""
+    cfg = CASES[name]
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(13, cfg.num_experts, generator=gen).to(DEV)
+    bias = (torch.randn(cfg.num_experts, generator=gen) * 0.1).to(DEV) if cfg.has_correction_bias else None
+    weights, ids = route(logits, cfg, bias, launch=launch)
+    ref_w, ref_ids = route_reference(logits, cfg, bias)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_route_launch_choice():
+    # the measured choices (sweep_route.py): one warp per token from 256 scores, 2 x 128 on 2 warps,
+    # small rows packed ~128 scores per warp; never more tokens per program than the batch rounds to
+    assert route_launch(2048, 256) == (1, 1)
+    assert route_launch(256, 128) == (2, 2) and route_launch(1, 128) == (1, 1)
+    assert route_launch(8192, 8) == (64, 4) and route_launch(32, 8) == (32, 2)
+    for tile in (8, 16, 64, 128, 256, 1024):
+        for tokens in (1, 3, 32, 5000):
+            block_t, warps = route_launch(tokens, tile)
+            assert 1 <= block_t <= max(1, 1 << (tokens - 1).bit_length()) and 1 <= warps <= 8
+            assert block_t * tile <= 2048
 
 
 def test_route_bf16_logits_and_strided_rows():

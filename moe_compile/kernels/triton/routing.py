@@ -149,16 +149,30 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def route(router_logits: torch.Tensor, cfg: RoutingConfig,
-          e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton ``select_experts``: ``router_logits [T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``."""
+def route_launch(num_tokens: int, tile: int) -> tuple[int, int]:
+    """``(tokens per program, warps)`` for ``num_tokens`` tokens of ``tile`` padded scores each.
+
+    From ``benchmarks/sweep_route.py`` on the H200 (``results/sweep_route.json``): a token of 256 or
+    more scores on one warp of its own (its top-k reductions stay in the warp: DeepSeek-V3's 8 x 32
+    took 3.9 us at 32-256 tokens where 8 tokens on 4 warps took 14.4), two 128-score tokens on two
+    warps (Qwen3: 2.9 vs 4.6 us at 256 tokens), small rows packed about 128 scores to a warp."""
+    if tile >= 256:
+        return 1, 1
+    block_t = min(_pow2(max(num_tokens, 1)), 2 if tile >= 128 else min(64, _TILE_ELEMS // (4 * tile)))
+    return block_t, max(1, min(8, block_t * tile // 128))
+
+
+def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bias: torch.Tensor | None = None,
+          *, launch: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``select_experts``: ``router_logits [T, E]`` -> ``(weights fp32 [T, k], ids int32 [T, k])``.
+
+    ``launch``: ``(tokens per program, warps)`` instead of ``route_launch``'s (for sweeps)."""
     _validate(router_logits, cfg, e_score_correction_bias)
     num_tokens = router_logits.shape[0]
     groups = cfg.group_count if cfg.grouped else 1
     per_group = cfg.num_experts // groups
     g_pad, s_pad = _pow2(groups), _pow2(per_group)
-    block_t = max(1, min(64, _TILE_ELEMS // (g_pad * s_pad)))
-    block_t = min(block_t, _pow2(max(num_tokens, 1)))
+    block_t, num_warps = launch or route_launch(num_tokens, g_pad * s_pad)
     weights = torch.empty(num_tokens, cfg.top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
@@ -176,9 +190,9 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig,
         TOP_K=cfg.top_k, K_PAD=_pow2(cfg.top_k), K_GROUP=cfg.k_group if cfg.grouped else 0,
         GROUP_MODE=cfg.group_select_mode, SIGMOID=sigmoid, HAS_BIAS=has_bias, RENORM=renorm,
         AFTER_TOPK=cfg.scoring_after_topk, BLOCK_T=block_t, G_PAD=g_pad, S_PAD=s_pad,
-        num_warps=4 if g_pad * s_pad * block_t >= 1024 else 2, **pdl_launch(router_logits.device),
+        num_warps=num_warps, **pdl_launch(router_logits.device),
     )
     return weights, ids
 
 
-__all__ = ["route", "route_reference"]
+__all__ = ["route", "route_launch", "route_reference"]

@@ -1,0 +1,178 @@
+"""Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
+
+    python benchmarks/sweep_gemm.py [--variants group|blockk] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+
+``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
+each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
+this times, per ``shape:M`` point (routing and CUDA-graph timing as ``gemm_split.py``), the tuned
+plan's first and second GEMM against the same GEMM with each variant of ``VARIANTS`` (block
+sizes, warps, stages; TMA, tails, persistence and grouping kept from the tuned config). Each
+variant's output is compared with the tuned one's (``MAX_REL_ERR``); a variant that fails to
+compile, to fit in shared memory or to match is reported and skipped. Prints each GEMM's time and
+its ratio to its own bound; writes ``sweep_gemm_{variants}.json``. ``--apply`` (or, later and on
+any machine, ``--apply-from`` that JSON) writes each GEMM's fastest variant into the tuned plans
+where it beats the tuned config by ``MIN_GAIN``.
+
+Sixth session: ``--variants blockk`` found no gain (128-deep K-steps were slower everywhere);
+``--variants group`` did (DeepSeek-V3 M=2048's first GEMM ran with all M-blocks of one N-block in
+turn, so each expert's gathered rows left L2 before its next N-block read them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us  # noqa: E402
+from gemm_split import stage_inputs  # noqa: E402
+from tune_triton import MAX_REL_ERR, hf_layout_weights, problem, write_table  # noqa: E402
+
+from moe_compile.kernels.triton.configs import CONFIG_DIR, config_file_name  # noqa: E402
+
+from moe_compile.kernels.triton.experts import plan_for  # noqa: E402
+from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
+from moe_compile.ops.config import ExpertsConfig  # noqa: E402
+
+# each variant overrides some of the tuned config's fields; GEMM1's tile is block_m x 2*block_n
+# (gate + up). "blockk": deeper K-steps and other tiles; "group": the order of the tiles (how many
+# M-blocks share each N-block in turn, so how long an expert's rows stay in L2)
+VARIANTS = {
+    "blockk": {
+        1: [(128, 128, 128, 8, 2), (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 2),
+            (64, 128, 128, 8, 2), (128, 64, 64, 8, 5), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4)],
+        2: [(128, 256, 128, 8, 2), (128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (64, 256, 128, 8, 2),
+            (64, 256, 64, 8, 4), (128, 128, 64, 8, 5), (64, 128, 64, 4, 5)],
+    },
+    "group": {1: [1, 2, 4, 8, 16, 32, 1024], 2: [1, 2, 4, 8, 16, 32, 1024]},
+}
+FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+
+
+def variant(cfg, v):
+    if isinstance(v, int):
+        return replace(cfg, group_m=v)
+    fields = dict(zip(FIELDS, v))
+    tail = cfg.tail_m if 0 < cfg.tail_m < fields["block_m"] else 0
+    return replace(cfg, tail_m=tail, **fields)
+
+
+def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
+    shape = SHAPES[name]
+    weights = hf_layout_weights(shape)
+    calls = problem(shape, m, weights)
+    plan = plan_for(calls[0][0], shape.top_k, weights)
+    st = stage_inputs(shape, m, calls)
+    cfg_x = ExpertsConfig()
+    k, h, i = shape.top_k, shape.hidden, shape.inter
+    pairs = m * k
+    hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)
+    pre = plan.pre_gather and plan.path.value == "sorted"
+
+    def run(gemm, cfg, s):
+        al = s["al"]
+        if gemm == 1:
+            a1 = al.x_sorted if pre else s["x"]
+            moe_gemm(a1, weights.w13, s["act"], topk_ids=s["ids"], top_k=k, counts=al.counts,
+                     sorted_pair=al.sorted_pair, experts=cfg_x, gather_a=not pre, config=cfg)
+            return s["act"]
+        moe_gemm(s["act"], weights.w2, s["y"], topk_ids=s["ids"], top_k=k, counts=al.counts,
+                 sorted_pair=al.sorted_pair, gather_a=False, config=cfg)
+        return s["y"]
+
+    row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits, "gemm1": [], "gemm2": []}
+    print(f"\n{name} M={m} plan {plan.path.value} pre_gather={pre}", flush=True)
+    for gemm, n_w, tuned in ((1, 2 * h * i, plan.gemm1), (2, h * i, plan.gemm2)):
+        bound = max(hits * n_w * 2 / HBM_BYTES_PER_S, 2 * pairs * n_w / BF16_FLOP_PER_S) * 1e6
+        row[f"gemm{gemm} bound"] = bound
+        ref = run(gemm, tuned, st[0]).float().clone()
+        variants = [variant(tuned, v) for v in VARIANTS[kind][gemm]]
+        for cfg in [tuned] + [c for c in dict.fromkeys(variants) if c != tuned]:
+            if time.time() > deadline:
+                print("  budget spent; stopping", flush=True)
+                return row
+            tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m} "
+                   f"g{cfg.group_m}")
+            try:
+                out = run(gemm, cfg, st[0]).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                if not err <= MAX_REL_ERR:
+                    print(f"  gemm{gemm} {tag}: wrong (rel err {err:.2e})", flush=True)
+                    continue
+                us = graph_time_us(lambda s, c=cfg, g=gemm: run(g, c, s), st, reps)
+            except Exception as exc:  # no fit in shared memory, no compile: skipped, said
+                print(f"  gemm{gemm} {tag}: failed {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+                continue
+            row[f"gemm{gemm}"].append({"config": asdict(cfg), "us": us, "tuned": cfg == tuned})
+            print(f"  gemm{gemm} {tag}{' (tuned)' if cfg == tuned else ''}: {us:9.1f} us "
+                  f"{us / bound:5.2f}x its bound", flush=True)
+    del weights, calls, st
+    torch.cuda.empty_cache()
+    return row
+
+
+MIN_GAIN = 0.015  # a variant replaces the tuned config only when this much faster (run-to-run noise ~1 %)
+
+
+def apply_best(rows: list[dict], config_dir: Path = CONFIG_DIR) -> list[str]:
+    """Write each GEMM's fastest variant into the tuned-plans file where it beats the tuned config
+    by ``MIN_GAIN``; returns what changed."""
+    changed = []
+    for row in rows:
+        shape = SHAPES[row["shape"]]
+        path = config_dir / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
+                                             "NVIDIA_H200")
+        table = json.loads(path.read_text())
+        entry = table.get(str(row["M"]))
+        for gemm in ("gemm1", "gemm2"):
+            timed = row.get(gemm) or []
+            tuned = next((t for t in timed if t["tuned"]), None)
+            if tuned is None or entry is None or entry[gemm] != tuned["config"]:
+                continue  # the file moved on since this sweep, or the sweep never timed the tuned config
+            best = min(timed, key=lambda t: t["us"])
+            if best["us"] < tuned["us"] * (1 - MIN_GAIN):
+                entry[gemm] = best["config"]
+                changed.append(f"{row['shape']} M={row['M']} {gemm}: {tuned['us']:.1f} -> {best['us']:.1f} us "
+                               f"{ {k: v for k, v in best['config'].items() if tuned['config'][k] != v} }")
+        if entry is not None and any(c.startswith(f"{row['shape']} M={row['M']} ") for c in changed):
+            entry["_from"] = "benchmarks/sweep_gemm.py (GEMM alone, CUDA graph)"
+            write_table(path, table)
+    return changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", nargs="+", default=["qwen3:256", "qwen3:2048", "deepseek_v3:2048",
+                                                        "mixtral:2048", "qwen3:8192", "deepseek_v3:8192"])
+    parser.add_argument("--variants", choices=list(VARIANTS), default="group")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this")
+    parser.add_argument("--out", default=None, help="directory for sweep_gemm.json")
+    parser.add_argument("--apply", action="store_true",
+                        help="write each GEMM's fastest variant into the tuned plans (see MIN_GAIN)")
+    parser.add_argument("--apply-from", default=None, help="apply a saved sweep_gemm_*.json (no GPU needed)")
+    args = parser.parse_args(argv)
+    if args.apply_from:
+        print("\n".join(apply_best(json.loads(Path(args.apply_from).read_text())["rows"])) or "nothing to change")
+        return 0
+    deadline = time.time() + args.budget_s
+    rows = []
+    for p in args.points:
+        rows.append(sweep(p.split(":")[0], int(p.split(":")[1]), args.reps, deadline, args.variants))
+        if args.out:  # after every point, so a cut run keeps what it measured
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"sweep_gemm_{args.variants}.json").write_text(json.dumps({"rows": rows}, indent=1))
+    if args.apply:
+        print("\n".join(apply_best(rows)) or "nothing to change")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
