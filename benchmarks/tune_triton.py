@@ -165,24 +165,12 @@ def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: lis
     return best
 
 
-# the fused second GEMM + combine of the pairs path (down_combine.py): (block_n, block_k, warps, stages)
-DOWN_COMBINE = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (16, 512, 4, 3),
-                (32, 512, 4, 3), (64, 256, 4, 3), (32, 256, 2, 4), (16, 256, 2, 5)]
-
-
-def fused_combine_variants(plan: Plan) -> list[Plan]:
-    """The pairs plan with its second GEMM and combine as one kernel, each ``DOWN_COMBINE`` block."""
-    return [replace(plan, fused_combine=True, gemm2=G(16, bn, bk, 1, w, st)) for bn, bk, w, st in DOWN_COMBINE]
-
-
 def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
     """Plans near a tuned one: the persistent launch (plain and with a flattened tile loop), the
     pre-gathered first GEMM, TMA twins, and a few neighbouring tiles; the pairs path gets its
-    small-tile TMA twins and the fused second GEMM + combine."""
+    small-tile TMA twins."""
     if plan.path is ExpertsPath.PAIRS:
-        unfused = replace(plan, fused_combine=False)
-        return ([replace(unfused, gemm1=g) for g in with_tma(SMALL)] + [replace(unfused, gemm2=g) for g in with_tma(SMALL)]
-                + fused_combine_variants(unfused))
+        return [replace(plan, gemm1=g) for g in with_tma(SMALL)] + [replace(plan, gemm2=g) for g in with_tma(SMALL)]
     g1, g2 = plan.gemm1, plan.gemm2
     if plan.path is ExpertsPath.GROUPED_MM:  # start the Triton variants from the large tiles
         g1, g2 = G(128, 128, 64, 8, 8, 4, tma=1), G(128, 256, 64, 8, 8, 4, tma=1)
@@ -231,17 +219,14 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
 
 
 def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: list, current: Plan,
-                 session: int, variants: list[Plan] | None = None) -> tuple[float, Plan]:
-    """Time the current plan and its variants (``refine_variants``'s unless given) in one run;
-    GEMM1 variants first (GEMM2 fixed), then GEMM2 variants with the best GEMM1 (and its
-    pre-gather choice)."""
+                 session: int) -> tuple[float, Plan]:
+    """Time the current plan and its variants in one run; GEMM1 variants first (GEMM2 fixed),
+    then GEMM2 variants with the best GEMM1 (and its pre-gather choice)."""
     calls = problem(shape, m, weights)
     ref = reference_output(calls, weights, shape, m)
     per_expert = m * shape.top_k / shape.num_experts
     timed = {current: time_plan(current, calls, weights, reps, ref)}
-    if variants is None:
-        variants = refine_variants(current, per_expert)
-    variants = variants or [current]
+    variants = refine_variants(current, per_expert)
     first = [v for v in variants if v.gemm2 == variants[0].gemm2]
     for plan in first:
         if plan not in timed:
@@ -255,12 +240,8 @@ def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: l
     for plan, us in timed.items():
         log.append(dict(plan.to_dict(), shape=shape.name, M=m, us=us, session=session, current=plan == current))
     best = min(timed, key=timed.get)
-    if len(timed) <= 16:  # a short list (e.g. --only-fused-combine): every time, side by side
-        for plan, us in timed.items():
-            print(f"    {us:9.1f} us  fused_combine={plan.fused_combine} g2={plan.gemm2}", flush=True)
     print(f"  {shape.name} M={m}: current {timed[current]:.1f} us -> best {timed[best]:.1f} us "
-          f"{best.path.value} pre_gather={best.pre_gather} fused_combine={best.fused_combine} "
-          f"g1={best.gemm1} g2={best.gemm2}", flush=True)
+          f"{best.path.value} pre_gather={best.pre_gather} g1={best.gemm1} g2={best.gemm2}", flush=True)
     return timed[best], best
 
 
@@ -286,8 +267,6 @@ def main(argv=None) -> int:
     parser.add_argument("--log", default=None, help="where to write every timing (JSON)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
-    parser.add_argument("--only-fused-combine", action="store_true",
-                        help="(refine) time the pairs plan against its fused second GEMM + combine variants only")
     parser.add_argument("--refine", action="store_true",
                         help="start from each point's tuned plan and time its variants (persistent, "
                              "pre-gathered, neighbouring tiles) side by side with it; keep the fastest")
@@ -308,11 +287,8 @@ def main(argv=None) -> int:
                 print(f"  budget spent: {name} M={m} not tuned", flush=True)
                 continue
             if args.refine and str(m) in table:
-                current = Plan.from_dict(table[str(m)])
-                only = None
-                if args.only_fused_combine:
-                    only = fused_combine_variants(current) if current.path is ExpertsPath.PAIRS else []
-                us, plan = refine_point(shape, m, weights, args.reps, log, current, args.session, only)
+                us, plan = refine_point(shape, m, weights, args.reps, log, Plan.from_dict(table[str(m)]),
+                                        args.session)
             else:  # a full search, then its best plan's variants (persistent, pre-gather, tails)
                 _, plan = tune_point(shape, m, weights, args.reps, log)
                 us, plan = refine_point(shape, m, weights, args.reps, log, plan, args.session)

@@ -7,8 +7,7 @@ stages). The entry whose ``M`` is nearest on a log scale is used.
 
 Paths:
 
-- ``pairs``: one M-block per (token, expert) pair, no sorting kernels (decode with many experts;
-  ``fused_combine``: the second GEMM and the combine in one kernel);
+- ``pairs``: one M-block per (token, expert) pair, no sorting kernels (decode with many experts);
 - ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused
   (``pre_gather``: the token rows are gathered into expert order by the alignment pass first);
 - ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on
@@ -46,9 +45,6 @@ class Plan:
     # sorted path: the alignment pass also gathers the token rows into expert order, so GEMM1 reads
     # contiguous rows (by TMA where gemm1.tma) instead of gathering them inside its K-loop
     pre_gather: bool = False
-    # pairs path: the second GEMM and the weighted combine run as one kernel (``down_combine.py``,
-    # its block_n / block_k / warps / stages from gemm2)
-    fused_combine: bool = False
 
     def to_dict(self) -> dict:
         from dataclasses import asdict
@@ -56,14 +52,12 @@ class Plan:
         d = {"path": self.path.value, "gemm1": asdict(self.gemm1), "gemm2": asdict(self.gemm2)}
         if self.pre_gather:
             d["pre_gather"] = 1
-        if self.fused_combine:
-            d["fused_combine"] = 1
         return d
 
     @staticmethod
     def from_dict(d: dict) -> "Plan":
         return Plan(ExpertsPath(d["path"]), GemmConfig.from_dict(d["gemm1"]), GemmConfig.from_dict(d["gemm2"]),
-                    bool(d.get("pre_gather", 0)), bool(d.get("fused_combine", 0)))
+                    bool(d.get("pre_gather", 0)))
 
 
 def device_key(device: torch.device) -> str:

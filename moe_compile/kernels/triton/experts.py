@@ -5,7 +5,7 @@
 ==============  ==============================================================  ===============
 path            kernels                                                         when
 ==============  ==============================================================  ===============
-``pairs``       gemm1(act) -> gemm2 -> combine (or gemm2+combine: one kernel)    decode, many E
+``pairs``       gemm1(act) -> gemm2 -> combine                                  decode, many E
 ``sorted``      count -> scatter(+gather) -> gemm1(act) -> gemm2 -> combine     Triton GEMMs
 ``grouped_mm``  count -> scatter+gather -> _grouped_mm -> act -> _grouped_mm    CUTLASS GEMMs
                 -> combine
@@ -25,7 +25,6 @@ from moe_compile.kernels.triton.align import align
 from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan
-from moe_compile.kernels.triton.down_combine import down_combine
 from moe_compile.kernels.triton.gemm import moe_gemm
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
 from moe_compile.modular.experts import BatchedExperts
@@ -106,20 +105,14 @@ def fused_experts(
         act = activation(h, config)
         y = torch._grouped_mm(act, weights.w2, offs=al.offsets)
         return combine(y, w_tk, out, pos=al.pos, weighted=weighted)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     if plan.path is ExpertsPath.PAIRS:
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         moe_gemm(x, weights.w13, act, counts=None, sorted_pair=None, bias=weights.w13_bias, experts=config,
                  gather_a=True, config=plan.gemm1, **common)
-        if plan.fused_combine:
-            g2 = plan.gemm2
-            return down_combine(act, weights.w2, w_tk, ids, out, expert_map=expert_map, bias=weights.w2_bias,
-                                weighted=weighted, block_n=g2.block_n, block_k=g2.block_k,
-                                num_warps=g2.num_warps, num_stages=g2.num_stages)
-        y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
         moe_gemm(act, weights.w2, y, counts=None, sorted_pair=None, bias=weights.w2_bias, gather_a=False,
                  config=plan.gemm2, **common)
         return combine(y, w_tk, out, topk_ids=ids, expert_map=expert_map, num_local=num_local, weighted=weighted)
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     al = align(ids, num_local, expert_map, x=x if plan.pre_gather else None)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     a1 = al.x_sorted if plan.pre_gather else x
