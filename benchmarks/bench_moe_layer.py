@@ -320,12 +320,15 @@ def main(argv=None) -> int:
     parser.add_argument("--no-dense", action="store_true", help="skip the cuBLAS dense-GEMM column")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--align-method", default=None, choices=["sort", "blocks", "two_launch"],
+                        help="group the pairs by expert with this method at every point (kernels/triton/align.py)")
     parser.add_argument("--no-pdl", action="store_true",
                         help="launch our kernels without programmatic dependent launch (kernels/triton/pdl.py)")
     args = parser.parse_args(argv)
-    from moe_compile.kernels.triton import pdl
+    from moe_compile.kernels.triton import align, pdl
     if args.no_pdl:
         pdl.FORCE = False
+    align.FORCE = args.align_method
     if not torch.cuda.is_available():
         print("bench_moe_layer needs a CUDA device", file=sys.stderr)
         return 2
@@ -335,7 +338,7 @@ def main(argv=None) -> int:
     print(HEADER, flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rotate": ROTATE,
             "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv,
-            "pdl": pdl.pdl_enabled(torch.device("cuda"))}
+            "pdl": pdl.pdl_enabled(torch.device("cuda")), "align_method": args.align_method or "default"}
     rows = []
     for name in args.shapes:
         rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense)

@@ -80,13 +80,16 @@ def test_align_rejects_bad_ids():
         align(torch.zeros(3, 2, dtype=torch.int32, device=DEV), 0)
 
 
-@pytest.mark.parametrize("method", ["sort", "two_launch"])
+@pytest.mark.parametrize("method", ["sort", "blocks", "two_launch"])
 @pytest.mark.parametrize("tokens,num_experts,top_k,mapped", [
-    (1, 8, 2, False), (37, 8, 2, False), (40, 64, 6, False), (16, 128, 8, False), (29, 12, 3, True)])
+    (1, 8, 2, False), (37, 8, 2, False), (40, 64, 6, False), (16, 128, 8, False), (29, 12, 3, True),
+    (300, 8, 2, False), (70, 256, 8, True)])
 def test_every_method_groups_like_the_reference(tokens, num_experts, top_k, mapped, method):
     """Each launch method gives the reference's counts, offsets and grouping; the one-program
-    sort (no memset: it writes every count) gives exactly the stable plain-torch order (pairs of one expert in pair order), so its
-    rows come out in the same order on every call."""
+    sort and the blocks method (no memset: they write every count) give exactly the stable
+    plain-torch order (pairs of one expert in pair order), so their rows come out in the same
+    order on every call. The last two cases span several blocks (600 pairs of 8 experts: 3 blocks
+    of 256; 560 pairs of 256 experts: 18 blocks of 32)."""
     ids = _random_ids(tokens, num_experts, top_k, seed=tokens + num_experts)
     emap, num_local = None, num_experts
     if mapped:
@@ -96,22 +99,52 @@ def test_every_method_groups_like_the_reference(tokens, num_experts, top_k, mapp
     al = align(ids, num_local, emap, method=method)
     ref = align_reference(ids, num_local, emap)
     _check(al, ref, ids, num_local)
-    if method == "sort":
+    if method in ("sort", "blocks"):
         n = int(ref.offsets[-1])
         assert torch.equal(al.pos.cpu(), ref.pos.cpu())
         assert torch.equal(al.sorted_pair[:n].cpu(), ref.sorted_pair[:n].cpu())
 
 
+def test_blocks_method_gathers_rows_in_the_stable_order():
+    ids = _random_ids(90, 12, 3, seed=5)  # 270 pairs: two blocks of 256 (E_PAD 16)
+    expert_map = torch.full((12,), -1, dtype=torch.int32)
+    expert_map[2:9] = torch.arange(7, dtype=torch.int32)
+    expert_map = expert_map.to(DEV)
+    x = torch.randn(90, 700, device=DEV)  # two column chunks of the row copy, the second ragged
+    al = align(ids, 7, expert_map, x=x, method="blocks")
+    ref = align_reference(ids, 7, expert_map, x=x)
+    _check(al, ref, ids, 7)
+    n = int(ref.offsets[-1])
+    assert torch.equal(al.pos.cpu(), ref.pos.cpu())
+    assert torch.equal(al.sorted_pair[:n].cpu(), ref.sorted_pair[:n].cpu())
+    assert torch.equal(al.x_sorted[:n], ref.x_sorted[:n])
+
+
 def test_align_method_by_size():
-    from moe_compile.kernels.triton.align import SORT_MAX_PAIRS, align_method
+    from moe_compile.kernels.triton.align import BLOCKS_MAX_TABLE, SORT_MAX_PAIRS, align_method, blocks_layout
 
     assert align_method(1, False) == "sort"
     assert align_method(SORT_MAX_PAIRS, False) == "sort"
-    assert align_method(SORT_MAX_PAIRS + 1, False) == "two_launch"
-    assert align_method(1, True) == "two_launch"  # the row gather is split over H in the scatter
+    assert align_method(SORT_MAX_PAIRS + 1, False, 128) == "blocks"
+    assert align_method(1, True, 8) == "blocks"  # the row gather is split over H in the scatter
+    # the count table [blocks, experts] bounds the blocks method; past it, two launches
+    assert blocks_layout(2048, 128) == (64, 32, 32)
+    assert align_method(2048, False, 128) == "blocks"  # Qwen3, 256 tokens: a 32 x 128 table
+    assert align_method(65536, False, 256) == "two_launch"  # DeepSeek-V3, 8192 tokens
+    for pairs, experts in ((600, 8), (16384, 256), (4096, 1)):
+        _, _, nb_pad = blocks_layout(pairs, experts)
+        fits = nb_pad * (1 << (experts - 1).bit_length()) <= BLOCKS_MAX_TABLE
+        assert align_method(pairs, False, experts) == ("blocks" if fits else "two_launch")
     ids = _random_ids(3, 8, 2, seed=1)
     with pytest.raises(ValueError, match="method='sort'"):
         align(ids, 8, x=torch.randn(3, 16, device=DEV), method="sort")
+    from moe_compile.kernels.triton import align as align_mod
+
+    try:  # FORCE: one method for every call (bench_moe_layer.py --align-method)
+        align_mod.FORCE = "two_launch"
+        assert align_method(1, False) == "two_launch"
+    finally:
+        align_mod.FORCE = None
     with pytest.raises(ValueError, match="method='bogus'"):
         align(ids, 8, method="bogus")
     # the sort's int32 keys (expert * P_PAD + pair) bound the pairs it takes: refused, not wrapped

@@ -5,7 +5,15 @@ program histograms the pairs' experts (counts, offsets) and sorts the keys
 ``expert * P_PAD + pair``, which gives the expert-ordered pair list directly, pairs of one expert
 in pair order (the row order is the same on every run), and its inverse ``pos``; no memset.
 
-More pairs, or with the gather, ``two_launch`` (plus a memset of the ``E`` counters):
+More pairs, or with the gather, ``blocks`` while its count table is small (``BLOCKS_MAX_TABLE``):
+
+1. ``_block_hist_kernel``: each block of pairs histograms its experts into row ``i`` of a
+   ``[blocks, E]`` table (every entry written, so no memset);
+2. ``_block_scatter_kernel``: each block sorts its pairs by ``(expert, pair)`` and places them
+   after the rows of the experts before theirs and of the blocks before it (both read off the
+   table): the stable order again, the same on every call. Optionally it gathers the rows too.
+
+Beyond that, ``two_launch`` (plus a memset of the ``E`` counters):
 
 1. ``_count_kernel``: each pair takes a ticket from its expert's counter (``atomic_add`` returns
    the pair's rank among that expert's pairs); pairs of experts that are not local (``expert_map``
@@ -18,9 +26,9 @@ More pairs, or with the gather, ``two_launch`` (plus a memset of the ``E`` count
 
 The sorted list is exactly ``P`` long: there is no per-expert block padding. GEMM kernels find
 their expert and row range from the counts themselves (``gemm.py``), so partial blocks are masked,
-never materialised. Ranks inside one expert follow atomic order, so the order of rows within an
-expert may change from run to run (on this path); every row is computed on its own, so results
-do not.
+never materialised. On the ``two_launch`` path ranks inside one expert follow atomic order, so the
+order of rows within an expert may change from run to run; every row is computed on its own, so
+results do not.
 
 ``align_reference`` is the plain-torch version (stable order), built on ``modular.slots``.
 """
@@ -121,6 +129,65 @@ def _scatter_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, sorted_ptr, pos_ptr,
             tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
 
 
+@triton.jit
+def _block_hist_kernel(ids_ptr, map_ptr, table_ptr, P, E_local, HAS_MAP: tl.constexpr, E_PAD: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Row ``pid`` of the ``[NB, E_PAD]`` table: how many of pairs block ``pid`` each local expert
+    takes (every entry written: no memset)."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    p = pid * BLOCK + tl.arange(0, BLOCK)
+    e, valid = _local_expert(ids_ptr, map_ptr, p, p < P, E_local, HAS_MAP)
+    hist = tl.histogram(tl.where(valid, e, E_PAD), 2 * E_PAD)
+    b = tl.arange(0, 2 * E_PAD)
+    tl.store(table_ptr + pid * E_PAD + b, hist, mask=b < E_PAD)
+
+
+@triton.jit
+def _block_scatter_kernel(ids_ptr, map_ptr, table_ptr, counts_ptr, sorted_ptr, pos_ptr, offsets_ptr,
+                          x_ptr, xs_ptr, P, E_local, NB, H, CHUNK_H, stride_x, stride_xs,
+                          TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, GATHER: tl.constexpr, E_PAD: tl.constexpr,
+                          NB_PAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Program ``(i, j)``: pairs block ``i`` sorted by ``(expert, pair)``; its rows start where the
+    experts before it and the blocks before it (the table) end, so the order is the stable one.
+    ``j == 0`` writes the permutation (program ``(0, 0)`` the counts and offsets); with ``GATHER``
+    program ``j`` copies columns ``[j * CHUNK_H, (j + 1) * CHUNK_H)`` of the rows."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    hid = tl.program_id(1)
+    rb = tl.arange(0, NB_PAD)
+    eo = tl.arange(0, E_PAD)
+    table = tl.load(table_ptr + rb[:, None] * E_PAD + eo[None, :], mask=(rb < NB)[:, None], other=0)
+    totals = tl.sum(table, axis=0)
+    ends = tl.cumsum(totals, 0)
+    before = tl.sum(tl.where((rb < pid)[:, None], table, 0), axis=0)
+    mine = tl.sum(tl.where((rb == pid)[:, None], table, 0), axis=0)
+    # sorted slot s of expert e lands on row ends[e] - totals[e] + before[e] + (s - first slot of e)
+    base = ends - totals + before - (tl.cumsum(mine, 0) - mine)
+    i = tl.arange(0, BLOCK)
+    e, valid = _local_expert(ids_ptr, map_ptr, pid * BLOCK + i, pid * BLOCK + i < P, E_local, HAS_MAP)
+    key = tl.sort(tl.where(valid, e, E_PAD) * BLOCK + i)
+    bucket = key // BLOCK
+    pair = pid * BLOCK + key % BLOCK
+    local = bucket < E_PAD
+    row = tl.sum(tl.where(eo[None, :] == bucket[:, None], base[None, :], 0), axis=1) + i
+    if hid == 0:
+        if pid == 0:
+            tl.store(counts_ptr + eo, totals, mask=eo < E_local)
+            tl.store(offsets_ptr + eo, ends, mask=eo < E_local)
+        tl.store(sorted_ptr + row, pair, mask=local)
+        tl.store(pos_ptr + pair, tl.where(local, row, -1), mask=pair < P)
+    if GATHER:
+        src = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * stride_x
+        dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
+        h_end = tl.minimum(H, (hid + 1) * CHUNK_H)
+        for h0 in range(hid * CHUNK_H, h_end, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)[None, :]
+            m = local[:, None] & (h < h_end)
+            tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
+
+
 def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None) -> None:
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be a 2-D tensor [T, k], but got {getattr(topk_ids, 'shape', topk_ids)}.")
@@ -137,12 +204,31 @@ def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor 
 # H200, CUDA graphs (benchmarks/bench_align_combine.py --only align, results/align_combine.json):
 # 256 pairs 2.9-3.3 us vs 5.7-5.9; 512 pairs 3.6 vs 5.4; 2048 pairs 19-21 vs 6.2-6.7.
 SORT_MAX_PAIRS = 512
-METHODS = ("sort", "two_launch")
+# ``blocks``: while every scatter program can hold the whole [blocks, experts] count table
+BLOCKS_MAX_TABLE = 16384
+METHODS = ("sort", "blocks", "two_launch")
+FORCE: str | None = None  # a method for every call (benchmarks compare them side by side)
 
 
-def align_method(pairs: int, gather: bool) -> str:
-    """``"sort"`` for up to ``SORT_MAX_PAIRS`` pairs without a row gather, else ``"two_launch"``."""
-    return "sort" if pairs <= SORT_MAX_PAIRS and not gather else "two_launch"
+def blocks_layout(pairs: int, num_local: int) -> tuple[int, int, int]:
+    """``(pairs per block, blocks, blocks padded to a power of two)`` of the ``blocks`` method:
+    a block's ``[pairs, experts]`` select stays at 8192 entries."""
+    block = max(16, min(256, 8192 // triton.next_power_of_2(num_local)))
+    nb = triton.cdiv(pairs, block)
+    return block, nb, triton.next_power_of_2(nb)
+
+
+def align_method(pairs: int, gather: bool, num_local: int = 1) -> str:
+    """``"sort"`` for up to ``SORT_MAX_PAIRS`` pairs without a row gather; else ``"blocks"`` while
+    its count table fits ``BLOCKS_MAX_TABLE``; else ``"two_launch"``. ``FORCE`` overrides where
+    that method can take the call."""
+    blocks_fit = blocks_layout(pairs, num_local)[2] * triton.next_power_of_2(num_local) <= BLOCKS_MAX_TABLE
+    if FORCE == "two_launch" or (FORCE == "blocks" and blocks_fit) or (FORCE == "sort" and not gather
+                                                                         and pairs <= 4096):
+        return FORCE
+    if pairs <= SORT_MAX_PAIRS and not gather:
+        return "sort"
+    return "blocks" if blocks_fit else "two_launch"
 
 
 def _sort_warps(p_pad: int) -> int:
@@ -157,11 +243,11 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     _check_ids(topk_ids, num_local, expert_map)
     num_tokens, top_k = topk_ids.shape
     pairs = num_tokens * top_k
-    method = method or align_method(pairs, x is not None)
-    if method not in METHODS or (x is not None and method != "two_launch"):
-        raise ValueError(f"method={method!r} must be one of {METHODS} ('two_launch' when x is given).")
+    method = method or align_method(pairs, x is not None, num_local)
+    if method not in METHODS or (x is not None and method == "sort"):
+        raise ValueError(f"method={method!r} must be one of {METHODS} (not 'sort' when x is given).")
     dev = topk_ids.device
-    # the sort writes every count itself; the atomic tickets of two launches need zeroed counters
+    # sort and blocks write every count themselves; the atomic tickets of two launches need zeroed counters
     counts = (torch.zeros if method == "two_launch" else torch.empty)(num_local, dtype=torch.int32, device=dev)
     # rows past the last valid one (only with an expert_map) are never written: keep them in range
     sorted_pair = (torch.zeros if expert_map is not None else torch.empty)(pairs, dtype=torch.int32, device=dev)
@@ -186,18 +272,32 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
                                  HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad),
                                  **pdl_launch(dev))
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
+    hidden = 0 if x is None else x.shape[1]
+    block_h, chunk_h = (16, 0) if x is None else (max(16, min(256, triton.next_power_of_2(hidden))), 512)
+    h_chunks = triton.cdiv(hidden, chunk_h) if x is not None else 1
+    if method == "blocks":
+        bblock, nb, nb_pad = blocks_layout(pairs, num_local)
+        if nb_pad * e_pad > BLOCKS_MAX_TABLE:  # every scatter program holds the whole table
+            raise ValueError(f"method='blocks' takes at most a {BLOCKS_MAX_TABLE}-entry count table, but {pairs} "
+                             f"pairs of {num_local} local experts need {nb_pad} x {e_pad}; use method='two_launch'.")
+        table = torch.empty(nb, e_pad, dtype=torch.int32, device=dev)
+        _block_hist_kernel[(nb,)](topk_ids, ids_map, table, pairs, num_local, HAS_MAP=has_map, E_PAD=e_pad,
+                                  BLOCK=bblock, num_warps=4, **pdl_launch(dev))
+        _block_scatter_kernel[(nb, h_chunks)](
+            topk_ids, ids_map, table, counts, sorted_pair, pos, offsets,
+            x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, nb,
+            hidden, chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
+            TOP_K=top_k, HAS_MAP=has_map, GATHER=x is not None, E_PAD=e_pad, NB_PAD=nb_pad, BLOCK=bblock,
+            BLOCK_H=block_h, num_warps=4 if nb_pad * e_pad <= 4096 else 8, **pdl_launch(dev))
+        return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     rank = torch.empty(pairs, dtype=torch.int32, device=dev)
     grid = (triton.cdiv(pairs, block),)
     _count_kernel[grid](topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
                         num_warps=4, **pdl_launch(dev))
-    hidden = 0 if x is None else x.shape[1]
-    if x is None:
-        scatter_block, block_h, chunk_h = max(16, min(block, 8192 // e_pad)), 16, 0
-    else:  # the row copy is split over H too, so even a few hundred pairs fill the GPU
-        scatter_block = max(16, min(64, 8192 // e_pad))
-        block_h = max(16, min(256, triton.next_power_of_2(hidden)))
-        chunk_h = 512  # a multiple of block_h (a power of two <= 256)
-    grid = (triton.cdiv(pairs, scatter_block), triton.cdiv(hidden, chunk_h) if x is not None else 1)
+    # with the row gather the copy is split over H too (chunks of 512 columns, a multiple of
+    # block_h), so even a few hundred pairs fill the GPU
+    scatter_block = max(16, min(block if x is None else 64, 8192 // e_pad))
+    grid = (triton.cdiv(pairs, scatter_block), h_chunks)
     _scatter_kernel[grid](
         topk_ids, ids_map, counts, rank, sorted_pair, pos, offsets,
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
@@ -219,4 +319,5 @@ def align_reference(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Te
     return Alignment(order, pos, slots.expert_num_tokens, slots.offsets, x_sorted)
 
 
-__all__ = ["METHODS", "SORT_MAX_PAIRS", "Alignment", "align", "align_method", "align_reference"]
+__all__ = ["BLOCKS_MAX_TABLE", "METHODS", "SORT_MAX_PAIRS", "Alignment", "align", "align_method", "align_reference",
+           "blocks_layout"]
