@@ -126,10 +126,11 @@ def test_align_method_by_size():
     assert align_method(1, False) == "sort"
     assert align_method(SORT_MAX_PAIRS, False) == "sort"
     assert align_method(SORT_MAX_PAIRS + 1, False, 128) == "blocks"
-    assert align_method(1, True, 8) == "blocks"  # the row gather is split over H in the scatter
+    assert align_method(1, True, 8) == "two_launch"  # the row gather: its copy split finer there
     # the count table [blocks, experts] bounds the blocks method; past it, two launches
     assert blocks_layout(2048, 128) == (64, 32, 32)
     assert align_method(2048, False, 128) == "blocks"  # Qwen3, 256 tokens: a 32 x 128 table
+    assert align_method(2048, False, 256) == "two_launch"  # DeepSeek-V3, 256 tokens: 64 x 256 (slower)
     assert align_method(65536, False, 256) == "two_launch"  # DeepSeek-V3, 8192 tokens
     for pairs, experts in ((600, 8), (16384, 256), (4096, 1)):
         _, _, nb_pad = blocks_layout(pairs, experts)

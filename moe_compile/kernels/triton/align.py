@@ -5,7 +5,7 @@ program histograms the pairs' experts (counts, offsets) and sorts the keys
 ``expert * P_PAD + pair``, which gives the expert-ordered pair list directly, pairs of one expert
 in pair order (the row order is the same on every run), and its inverse ``pos``; no memset.
 
-More pairs, or with the gather, ``blocks`` while its count table is small (``BLOCKS_MAX_TABLE``):
+More pairs without the gather, ``blocks`` while its count table is small (``BLOCKS_MAX_TABLE``):
 
 1. ``_block_hist_kernel``: each block of pairs histograms its experts into row ``i`` of a
    ``[blocks, E]`` table (every entry written, so no memset);
@@ -13,7 +13,7 @@ More pairs, or with the gather, ``blocks`` while its count table is small (``BLO
    after the rows of the experts before theirs and of the blocks before it (both read off the
    table): the stable order again, the same on every call. Optionally it gathers the rows too.
 
-Beyond that, ``two_launch`` (plus a memset of the ``E`` counters):
+Beyond that, or with the gather, ``two_launch`` (plus a memset of the ``E`` counters):
 
 1. ``_count_kernel``: each pair takes a ticket from its expert's counter (``atomic_add`` returns
    the pair's rank among that expert's pairs); pairs of experts that are not local (``expert_map``
@@ -204,8 +204,12 @@ def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor 
 # H200, CUDA graphs (benchmarks/bench_align_combine.py --only align, results/align_combine.json):
 # 256 pairs 2.9-3.3 us vs 5.7-5.9; 512 pairs 3.6 vs 5.4; 2048 pairs 19-21 vs 6.2-6.7.
 SORT_MAX_PAIRS = 512
-# ``blocks``: while every scatter program can hold the whole [blocks, experts] count table
-BLOCKS_MAX_TABLE = 16384
+# ``blocks`` (no row gather) while its [blocks, experts] count table has at most this many
+# entries (every scatter program reads all of it). H200, CUDA graphs (bench_align_combine.py
+# --only align, results/align_combine.json, sixth session): 2048 pairs of 128 experts (a 32 x 128
+# table) 5.1 us vs two launches' 5.9; 4096 / 16384 pairs of 8 experts 3.7 / 4.1 vs 4.5 / 6.9; but
+# 2048 pairs of 256 experts (64 x 256) 6.9 vs 5.5.
+BLOCKS_MAX_TABLE = 8192
 METHODS = ("sort", "blocks", "two_launch")
 FORCE: str | None = None  # a method for every call (benchmarks compare them side by side)
 
@@ -219,14 +223,16 @@ def blocks_layout(pairs: int, num_local: int) -> tuple[int, int, int]:
 
 
 def align_method(pairs: int, gather: bool, num_local: int = 1) -> str:
-    """``"sort"`` for up to ``SORT_MAX_PAIRS`` pairs without a row gather; else ``"blocks"`` while
-    its count table fits ``BLOCKS_MAX_TABLE``; else ``"two_launch"``. ``FORCE`` overrides where
-    that method can take the call."""
+    """Without a row gather: ``"sort"`` up to ``SORT_MAX_PAIRS`` pairs, else ``"blocks"`` while its
+    count table fits ``BLOCKS_MAX_TABLE``; else (and with the gather, whose copy the two launches
+    split finer) ``"two_launch"``. ``FORCE`` overrides where that method can take the call."""
     blocks_fit = blocks_layout(pairs, num_local)[2] * triton.next_power_of_2(num_local) <= BLOCKS_MAX_TABLE
     if FORCE == "two_launch" or (FORCE == "blocks" and blocks_fit) or (FORCE == "sort" and not gather
                                                                          and pairs <= 4096):
         return FORCE
-    if pairs <= SORT_MAX_PAIRS and not gather:
+    if gather:
+        return "two_launch"
+    if pairs <= SORT_MAX_PAIRS:
         return "sort"
     return "blocks" if blocks_fit else "two_launch"
 
