@@ -51,8 +51,8 @@ def test_every_launch_of_the_interpreted_selfcheck_compiles_for_sm90(compiled):
                     f"launches were not recorded: {compiled['interpreter_failed']}")
     launches = {k: v for k, v in compiled.items() if k.startswith("launch ")}
     kernels = {k.split(": ")[1] for k in launches}
-    chain = {"_route_kernel", "_sort_align_kernel", "_count_kernel", "_scatter_kernel", "_moe_gemm_kernel",
-             "_combine_kernel"}
+    chain = {"_route_kernel", "_sort_align_kernel", "_block_hist_kernel", "_block_scatter_kernel", "_count_kernel",
+             "_scatter_kernel", "_moe_gemm_kernel", "_combine_kernel"}
     assert chain | {"_gemv_kernel"} <= kernels
     # the kernels a GPU launches with programmatic dependent launch build with it for sm_90 too
     assert {k + " +pdl" for k in chain} <= kernels

@@ -63,6 +63,19 @@ def _local_expert(ids_ptr, map_ptr, p, pmask, E_local, HAS_MAP: tl.constexpr):
 
 
 @triton.jit
+def _copy_rows(x_ptr, xs_ptr, token, row, valid, hid, H, CHUNK_H, stride_x, stride_xs, BLOCK_H: tl.constexpr):
+    """The row gather: ``xs[row] = x[token]`` for the valid lanes, columns ``[hid * CHUNK_H,
+    (hid + 1) * CHUNK_H)``."""
+    src = x_ptr + token[:, None].to(tl.int64) * stride_x
+    dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
+    h_end = tl.minimum(H, (hid + 1) * CHUNK_H)
+    for h0 in range(hid * CHUNK_H, h_end, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[None, :]
+        m = valid[:, None] & (h < h_end)
+        tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
+
+
+@triton.jit
 def _sort_align_kernel(ids_ptr, map_ptr, counts_ptr, sorted_ptr, pos_ptr, offsets_ptr, P, E_local,
                        HAS_MAP: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr = False):
     """All ``P <= P_PAD`` pairs in one program: histogram -> counts/offsets, sort -> permutation.
@@ -120,13 +133,7 @@ def _scatter_kernel(ids_ptr, map_ptr, counts_ptr, rank_ptr, sorted_ptr, pos_ptr,
         tl.store(sorted_ptr + row, p, mask=valid)
         tl.store(pos_ptr + p, tl.where(valid, row, -1), mask=pmask)
     if GATHER:
-        src = x_ptr + (p // TOP_K)[:, None].to(tl.int64) * stride_x
-        dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
-        h_end = tl.minimum(H, (hid + 1) * CHUNK_H)
-        for h0 in range(hid * CHUNK_H, h_end, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)[None, :]
-            m = valid[:, None] & (h < h_end)
-            tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
+        _copy_rows(x_ptr, xs_ptr, p // TOP_K, row, valid, hid, H, CHUNK_H, stride_x, stride_xs, BLOCK_H)
 
 
 @triton.jit
@@ -179,13 +186,7 @@ def _block_scatter_kernel(ids_ptr, map_ptr, table_ptr, counts_ptr, sorted_ptr, p
         tl.store(sorted_ptr + row, pair, mask=local)
         tl.store(pos_ptr + pair, tl.where(local, row, -1), mask=pair < P)
     if GATHER:
-        src = x_ptr + (pair // TOP_K)[:, None].to(tl.int64) * stride_x
-        dst = xs_ptr + row[:, None].to(tl.int64) * stride_xs
-        h_end = tl.minimum(H, (hid + 1) * CHUNK_H)
-        for h0 in range(hid * CHUNK_H, h_end, BLOCK_H):
-            h = h0 + tl.arange(0, BLOCK_H)[None, :]
-            m = local[:, None] & (h < h_end)
-            tl.store(dst + h, tl.load(src + h, mask=m), mask=m)
+        _copy_rows(x_ptr, xs_ptr, pair // TOP_K, row, local, hid, H, CHUNK_H, stride_x, stride_xs, BLOCK_H)
 
 
 def _check_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None) -> None:
