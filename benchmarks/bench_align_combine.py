@@ -16,7 +16,6 @@ sits in L2 from the call before). Writes ``align_combine.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import HBM_BYTES_PER_S, MS, ROTATE, SHAPES, graph_time_us  # noqa: E402
+from bench_moe_layer import HBM_BYTES_PER_S, MS, ROTATE, SHAPES, graph_time_us, write_json  # noqa: E402
 
 from moe_compile.kernels.triton.align import METHODS, align, align_method  # noqa: E402
 from moe_compile.kernels.triton.combine import combine, combine_blocks  # noqa: E402
@@ -101,9 +100,7 @@ def main(argv=None) -> int:
         result["align"] = bench_align(args.reps)
     if args.only in (None, "combine"):
         result["combine"] = bench_combine(args.reps)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "align_combine.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out, "align_combine.json", result)
     return 0
 
 

@@ -147,6 +147,13 @@ def our_layer(block, shape: Shape):
     return layer
 
 
+def write_json(out_dir: str | Path | None, name: str, result) -> None:
+    """``result`` as ``out_dir/name`` (indented JSON); nothing without an ``out_dir``."""
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / name).write_text(json.dumps(result, indent=1))
+
+
 def graph_time_us(fn, inputs, reps: int) -> float:
     """Median per-call time of a CUDA graph that calls ``fn`` once on each input in turn."""
     stream = torch.cuda.Stream()

@@ -22,7 +22,6 @@ for one of the two GEMMs (the ``grouped_gemm2`` plan option runs the second GEMM
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, graph_time_us  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.triton.activation import activation  # noqa: E402
@@ -157,9 +156,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     result = {"hbm_probe": hbm_probe(),
               "rows": [split(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]}
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gemm_split.json").write_text(json.dumps(result, indent=1))
+    write_json(args.out, "gemm_split.json", result)
     return 0
 
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem, write_table  # noqa: E402
 
@@ -166,9 +166,8 @@ def main(argv=None) -> int:
     rows = []
     for p in args.points:
         rows.append(sweep(p.split(":")[0], int(p.split(":")[1]), args.reps, deadline, args.variants))
-        if args.out:  # after every point, so a cut run keeps what it measured
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"sweep_gemm_{args.variants}.json").write_text(json.dumps({"rows": rows}, indent=1))
+        # after every point, so a cut run keeps what it measured
+        write_json(args.out, f"sweep_gemm_{args.variants}.json", {"rows": rows})
     if args.apply:
         print("\n".join(apply_best(rows)) or "nothing to change")
     return 0

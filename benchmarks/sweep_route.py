@@ -11,7 +11,6 @@ skipped. Writes ``sweep_route.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import MS, ROTATE, SHAPES, graph_time_us  # noqa: E402
+from bench_moe_layer import MS, ROTATE, SHAPES, graph_time_us, write_json  # noqa: E402
 from tune_triton import routing_config  # noqa: E402
 
 from moe_compile.kernels.triton.routing import _pow2, route, route_launch  # noqa: E402
@@ -80,9 +79,7 @@ def main(argv=None) -> int:
     rows = []
     for name in args.shapes:
         rows += sweep(name, args.ms, args.reps, deadline)
-        if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "sweep_route.json").write_text(json.dumps({"rows": rows}, indent=1))
+        write_json(args.out, "sweep_route.json", {"rows": rows})  # after every shape
     return 0
 
 

@@ -61,6 +61,13 @@ def test_route_any_launch_matches_reference(name, launch):
     torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_route_rejects_a_bad_launch():
+    logits = torch.randn(4, 8).to(DEV)
+    for bad in [(3, 1), (1, 0), (2,), (1, 32)]:
+        with pytest.raises(ValueError, match="launch must be"):
+            route(logits, CASES["mixtral"], launch=bad)
+
+
 def test_route_launch_choice():
     # the measured choices (sweep_route.py): one warp per token from 256 scores, 2 x 128 on 2 warps,
     # small rows packed ~128 scores per warp; never more tokens per program than the batch rounds to

@@ -223,19 +223,28 @@ def blocks_layout(pairs: int, num_local: int) -> tuple[int, int, int]:
     return block, nb, triton.next_power_of_2(nb)
 
 
+def _blocks_fit(pairs: int, num_local: int) -> bool:
+    """Whether the ``blocks`` method's count table stays within ``BLOCKS_MAX_TABLE`` entries."""
+    return blocks_layout(pairs, num_local)[2] * triton.next_power_of_2(num_local) <= BLOCKS_MAX_TABLE
+
+
+def _sort_fits(pairs: int, num_local: int) -> bool:
+    """Whether the sort's int32 keys ``expert * P_PAD + pair`` hold ``pairs`` pairs."""
+    return (triton.next_power_of_2(num_local) + 1) * triton.next_power_of_2(pairs) <= 2 ** 31 - 1
+
+
 def align_method(pairs: int, gather: bool, num_local: int = 1) -> str:
     """Without a row gather: ``"sort"`` up to ``SORT_MAX_PAIRS`` pairs, else ``"blocks"`` while its
     count table fits ``BLOCKS_MAX_TABLE``; else (and with the gather, whose copy the two launches
     split finer) ``"two_launch"``. ``FORCE`` overrides where that method can take the call."""
-    blocks_fit = blocks_layout(pairs, num_local)[2] * triton.next_power_of_2(num_local) <= BLOCKS_MAX_TABLE
-    if FORCE == "two_launch" or (FORCE == "blocks" and blocks_fit) or (FORCE == "sort" and not gather
-                                                                         and pairs <= 4096):
+    if FORCE == "two_launch" or (FORCE == "blocks" and _blocks_fit(pairs, num_local)) or (
+            FORCE == "sort" and not gather and _sort_fits(pairs, num_local)):
         return FORCE
     if gather:
         return "two_launch"
     if pairs <= SORT_MAX_PAIRS:
         return "sort"
-    return "blocks" if blocks_fit else "two_launch"
+    return "blocks" if _blocks_fit(pairs, num_local) else "two_launch"
 
 
 def _sort_warps(p_pad: int) -> int:
@@ -272,7 +281,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     e_pad = triton.next_power_of_2(num_local)
     if method == "sort":
         p_pad = triton.next_power_of_2(pairs)
-        if (e_pad + 1) * p_pad > 2 ** 31 - 1:  # the int32 sort keys expert * P_PAD + pair
+        if not _sort_fits(pairs, num_local):
             raise ValueError(f"method='sort' takes at most {(2 ** 31 - 1) // (e_pad + 1)} pairs with {num_local} "
                              f"local experts (int32 sort keys), but got {pairs} pairs; use method='two_launch'.")
         _sort_align_kernel[(1,)](topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
@@ -284,7 +293,7 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
     h_chunks = triton.cdiv(hidden, chunk_h) if x is not None else 1
     if method == "blocks":
         bblock, nb, nb_pad = blocks_layout(pairs, num_local)
-        if nb_pad * e_pad > BLOCKS_MAX_TABLE:  # every scatter program holds the whole table
+        if not _blocks_fit(pairs, num_local):  # every scatter program holds the whole table
             raise ValueError(f"method='blocks' takes at most a {BLOCKS_MAX_TABLE}-entry count table, but {pairs} "
                              f"pairs of {num_local} local experts need {nb_pad} x {e_pad}; use method='two_launch'.")
         table = torch.empty(nb, e_pad, dtype=torch.int32, device=dev)

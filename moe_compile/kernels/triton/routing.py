@@ -172,6 +172,10 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
     groups = cfg.group_count if cfg.grouped else 1
     per_group = cfg.num_experts // groups
     g_pad, s_pad = _pow2(groups), _pow2(per_group)
+    if launch is not None and (len(launch) != 2 or any(not isinstance(v, int) or v < 1 or v & (v - 1)
+                                                        for v in launch) or launch[1] > 16):
+        raise ValueError(f"launch must be (tokens per program, warps), powers of two with warps <= 16, "
+                         f"but got {launch!r}.")
     block_t, num_warps = launch or route_launch(num_tokens, g_pad * s_pad)
     weights = torch.empty(num_tokens, cfg.top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=router_logits.device)
