@@ -11,6 +11,8 @@ For each ``shape:M`` point (routing of random logits, as ``tune_triton.py`` does
   is that pass alone);
 - ``gemm2 triton`` / ``gemm2 grouped_mm``: the second GEMM on the expert-ordered activations;
 - ``combine``;
+- ``gemm1 wgmma`` / ``gemm2 wgmma``: the hand-written Hopper kernel (``moe_compile/kernels/cuda``),
+  the first one with its block-table launch;
 - ``dense``: cuBLAS doing each GEMM's size as one dense GEMM (``[P, H] @ [H, 2I]``, ``[P, I] @ [I, H]``);
 - each GEMM's bound: max(its weight bytes / 4.8 TB/s, its FLOPs / 790 TFLOP/s);
 - first, what HBM bandwidth the GPU reaches at all: a 1.2 GB bf16 copy and a 1.2 GB sum
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
+from moe_compile.kernels.cuda import wgmma  # noqa: E402
 from moe_compile.kernels.triton.activation import activation  # noqa: E402
 from moe_compile.kernels.triton.align import align  # noqa: E402
 from moe_compile.kernels.triton.combine import combine  # noqa: E402
@@ -107,6 +110,15 @@ def split(name: str, m: int, reps: int) -> dict:
         moe_gemm(s["act"], weights.w2, s["y"], topk_ids=s["ids"], counts=s["al"].counts,
                  sorted_pair=s["al"].sorted_pair, gather_a=False, config=plan.gemm2, **common)
 
+    def gemm1_wgmma(s):  # the block table is built here, once per layer call
+        s["table"] = wgmma.block_table(s["al"].counts, pairs)
+        wgmma.wgmma_gemm(s["al"].x_sorted, weights.w13, s["act"], *s["table"], gated=True)
+
+    def gemm2_wgmma(s):
+        if "table" not in s:
+            s["table"] = wgmma.block_table(s["al"].counts, pairs)
+        wgmma.wgmma_gemm(s["act"], weights.w2, s["y"], *s["table"], gated=False)
+
     def gemm2_grouped(s):
         torch._grouped_mm(s["act"], weights.w2, offs=s["al"].offsets)
 
@@ -124,6 +136,7 @@ def split(name: str, m: int, reps: int) -> dict:
         "align": align_only, "gemm1 triton": gemm1_triton, "gemm1 grouped_mm": gemm1_grouped,
         "gemm1 act": gemm1_act, "gemm2 triton": gemm2_triton, "gemm2 grouped_mm": gemm2_grouped,
         "combine": combine_only,
+        **({"gemm1 wgmma": gemm1_wgmma, "gemm2 wgmma": gemm2_wgmma} if wgmma.available(weights.w13.device) else {}),
         "gemm1 dense": lambda s: torch.mm(a_dense, w1_dense), "gemm2 dense": lambda s: torch.mm(act_dense, w2_dense),
     }
     hits = sum(torch.unique(ids).numel() for _, _, ids in calls) / len(calls)

@@ -1,10 +1,11 @@
 """Does Triton's warp specialisation pay for a plain TMA matmul on this GPU? (a probe, not a product)
 
-    python benchmarks/probe_ws.py
+    python benchmarks/probe_ws.py [--quick]
 
 Times ``C = A @ B.T`` (bf16, TMA descriptors for both operands) for a few tiles with and without
 ``tl.range(..., warp_specialize=True)`` beside ``torch.mm``, checks each against ``torch.mm``, and
-says whether the compiler actually split the warps (``setmaxnreg`` in the PTX). Prints one line
+says whether the compiler actually split the warps (``setmaxnreg`` in the PTX); and our hand-written
+warp-specialised CUDA kernel (``moe_compile/kernels/cuda``) on the same product. Prints one line
 per variant: the compiled warps, TFLOP/s and the relative error.
 """
 from __future__ import annotations
@@ -28,7 +29,32 @@ def _mm(a_desc, b_desc, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: 
     tl.store(c_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(tl.bfloat16))
 
 
-def run(m: int, n: int, k: int) -> None:
+def run_wgmma(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same product through our CUDA expert GEMM (``kernels/cuda``), as one expert holding every row."""
+    from moe_compile.kernels.cuda import wgmma
+
+    if not wgmma.available(a.device):
+        print(f"  wgmma (ours): unavailable: {wgmma.unavailable_reason(a.device.index or 0)}", flush=True)
+        return
+    (m, k), n = a.shape, b.shape[0]
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    blocks, live = wgmma.block_table(torch.tensor([m], dtype=torch.int32, device="cuda"), m)
+    w = b.unsqueeze(0).transpose(1, 2)  # [1, K, N] view of the K-major [1, N, K]
+    wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False)
+    torch.cuda.synchronize()
+    err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+    t = triton.testing.do_bench(lambda: wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False), warmup=50, rep=300,
+                                return_mode="median")
+    print(f"  wgmma (ours, 128x256x64, 3 warpgroups): {2 * m * n * k / t / 1e9:.0f} TFLOP/s rel err {err:.1e}",
+          flush=True)
+
+
+VARIANTS = [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (64, 128, 64, 4, 4, False),
+            (64, 128, 64, 4, 4, True), (64, 256, 64, 4, 3, True), (128, 128, 64, 4, 3, True),
+            (128, 256, 64, 4, 3, True), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True)]
+
+
+def run(m: int, n: int, k: int, variants=VARIANTS) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -36,9 +62,8 @@ def run(m: int, n: int, k: int) -> None:
     ref = a @ b.T
     t = triton.testing.do_bench(lambda: a @ b.T, warmup=50, rep=300, return_mode="median")
     print(f"M={m} N={n} K={k}: torch.mm {2 * m * n * k / t / 1e9:.0f} TFLOP/s", flush=True)
-    for bm, bn, bk, nw, ns, ws in [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (64, 128, 64, 4, 4, False),
-                                   (64, 128, 64, 4, 4, True), (64, 256, 64, 4, 3, True), (128, 128, 64, 4, 3, True),
-                                   (128, 256, 64, 4, 3, True), (128, 128, 64, 8, 4, True), (128, 256, 64, 8, 3, True)]:
+    run_wgmma(a, b, ref)
+    for bm, bn, bk, nw, ns, ws in variants:
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         ad = TensorDescriptor.from_tensor(a, [bm, bk])
         bd = TensorDescriptor.from_tensor(b, [bn, bk])
@@ -59,6 +84,9 @@ def run(m: int, n: int, k: int) -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    quick = "--quick" in sys.argv  # torch.mm, the best plain Triton tile and ours only
     print("triton", triton.__version__, "torch", torch.__version__, torch.cuda.get_device_name())
-    run(8192, 8192, 8192)
-    run(2048, 4096, 7168)
+    run(8192, 8192, 8192, VARIANTS[:1] if quick else VARIANTS)
+    run(2048, 4096, 7168, VARIANTS[:1] if quick else VARIANTS)

@@ -1,0 +1,1 @@
+"""Hand-written CUDA kernels, compiled at run time by NVRTC (see ``wgmma.py``)."""
