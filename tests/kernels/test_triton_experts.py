@@ -297,9 +297,10 @@ def test_persistent_batched_gemm_matches_the_grid_launch():
     a = torch.randn(num_experts * cap, hidden, generator=gen).to(DEV, DTYPE)
     counts = torch.tensor([3, 0, 12, 7, 1], dtype=torch.int32, device=DEV)
     outs = []
-    for persistent in (0, 2):
+    for persistent, expert_order in ((0, 0), (2, 0), (0, 1), (2, 1)):
         out = torch.full((num_experts * cap, n_out), float("nan"), device=DEV, dtype=DTYPE)
-        cfg = replace(TINY if not CUDA else GemmConfig(64, 64, 64, 8, 4, 3), persistent=persistent)
+        cfg = replace(TINY if not CUDA else GemmConfig(64, 64, 64, 8, 4, 3), persistent=persistent,
+                      expert_order=expert_order)
         moe_gemm(a, w, out, topk_ids=counts, top_k=1, counts=counts, sorted_pair=None, gather_a=False,
                  config=cfg, row_stride=cap, max_rows=int(counts.sum()))
         outs.append(out)
@@ -307,9 +308,10 @@ def test_persistent_batched_gemm_matches_the_grid_launch():
         rows = slice(e * cap, e * cap + c)
         ref = a[rows].float() @ w[e].float()
         tol = 1e-4 if DTYPE == torch.float32 else 3e-2
-        torch.testing.assert_close(outs[1][rows].float(), ref, rtol=tol, atol=tol)
-        torch.testing.assert_close(outs[1][rows], outs[0][rows])
-        assert torch.isnan(outs[1][e * cap + c:(e + 1) * cap]).all()  # padding rows are never written
+        for out in outs:
+            torch.testing.assert_close(out[rows].float(), ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(out[rows], outs[0][rows])
+            assert torch.isnan(out[e * cap + c:(e + 1) * cap]).all()  # padding rows are never written
 
 
 @pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
@@ -341,3 +343,30 @@ def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
     plan = Plan(ExpertsPath.SORTED, g, g, pre_gather=pre_gather)
     out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, num_global))
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent-flat"])
+@pytest.mark.parametrize("group_m", [1, 2, 1024])
+@pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
+def test_expert_ordered_tiles(persistent, group_m, with_map):
+    """``expert_order``: the tiles go expert by expert (``group_m`` M-blocks of one expert per
+    N-block in turn); every tile is still computed once, with tails and empty experts."""
+    from dataclasses import replace
+
+    tokens, hidden, inter, num_experts, top_k = (60, 32, 48, 5, 2) if not CUDA else (1500, 256, 384, 16, 4)
+    base = TINY if not CUDA else GemmConfig(64, 64, 64, 8, 4, 3)
+    g = replace(base, persistent=persistent, group_m=group_m, expert_order=1, tail_m=base.block_m // 2)
+    num_global = num_experts + 2 if with_map else num_experts
+    gen = torch.Generator().manual_seed(group_m)
+    topk_w, topk_ids = _routing(tokens, num_global, top_k, gen)
+    counts = torch.bincount(topk_ids.flatten().long().cpu(), minlength=num_global)[:num_experts]
+    assert (counts > g.block_m).any()  # experts of several M-blocks
+    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=False, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    expert_map = None
+    if with_map:
+        expert_map = torch.tensor(list(range(num_experts)) + [-1, -1], dtype=torch.int32, device=DEV)
+    plan = Plan(ExpertsPath.SORTED, g, g, pre_gather=True)
+    out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, num_global))
+    assert Plan.from_dict(plan.to_dict()) == plan

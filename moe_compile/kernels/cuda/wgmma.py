@@ -13,6 +13,14 @@ weights K-major (HF's ``[E, N, K]`` storage). ``block_table`` turns the expert c
 The source is compiled by NVRTC through ``cuda.bindings`` (the ``cuda`` extra) for ``sm_90a``
 at first use and launched on torch's current stream (so CUDA graphs capture it). ``available``
 says whether this machine can run it, and why not.
+
+Status (seventh session, H200): correct (``tests/kernels/test_cuda_wgmma.py`` against torch), and
+faster than Triton on a plain bf16 matmul (642-669 TFLOP/s against 576-585 for Triton's best tile
+and 691-761 for cuBLAS, ``benchmarks/probe_ws.py --quick``), but 2-18 % slower than the tuned
+Triton GEMMs inside the MoE layer, and ~5 % slower than Triton's gated GEMM even with one expert
+(``benchmarks/sweep_wgmma.py``, ``benchmarks/probe_wgmma.py``). So no tuned plan uses it; the
+layer runs the Triton GEMMs. What it lacks against CUTLASS-class kernels: 2-CTA clusters with
+TMA multicast and an epilogue that overlaps the next tile's MMAs.
 """
 from __future__ import annotations
 

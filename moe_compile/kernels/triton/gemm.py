@@ -48,6 +48,7 @@ class GemmConfig:
     tma: int = 0  # 1: weight tiles (and ungathered A tiles) by TMA descriptors where the layout allows
     persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
     tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
+    expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -200,6 +201,28 @@ def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of tile ``tile`` with the tiles ordered expert by expert: all tiles of
+    expert 0's M-blocks, then expert 1's, ...; within one expert ``GROUP_M`` of its M-blocks share
+    each N-block in turn. So an expert's weight tile is read by all of its M-blocks at about the
+    same time, and a group never mixes experts (whose weights would compete for L2). Tiles past
+    the live ones map to dead M-blocks."""
+    eo = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    blk_end = tl.cumsum(nblk, 0)
+    b = tile // num_pid_n  # tiles [first * n, (first + nb) * n) are expert e's: b is one of its M-blocks
+    e = tl.sum((blk_end <= b).to(tl.int32))
+    here = eo == e
+    nb = tl.sum(tl.where(here, nblk, 0))
+    first = tl.sum(tl.where(here, blk_end - nblk, 0))
+    pid_m, pid_n = _grouped_pid(tile - first * num_pid_n, tl.maximum(nb, 1), num_pid_n, GROUP_M)
+    live = b < tl.sum(nblk)
+    return tl.where(live, first + pid_m, b), tl.where(live, pid_n, 0)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
     E_local, N, K, launched, N_total, row_stride,
@@ -210,7 +233,7 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    PDL: tl.constexpr = False,
+    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
@@ -223,7 +246,10 @@ def _moe_gemm_kernel(
         live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
-            pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
+            if EXPERT_ORDER:
+                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M)
+            else:
+                pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                                  PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
             _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
@@ -231,7 +257,11 @@ def _moe_gemm_kernel(
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
                         HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
     else:
-        pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
+        if EXPERT_ORDER:
+            pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
+                                       GROUP_M)
+        else:
+            pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                              PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
         if not live:
@@ -378,7 +408,8 @@ def moe_gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
-        PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
     return out
