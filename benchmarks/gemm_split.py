@@ -44,6 +44,9 @@ from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
 from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 
+LARGE_POINTS = ["mixtral:2048", "mixtral:8192", "qwen3:2048", "qwen3:8192", "deepseek_v3:2048", "deepseek_v3:8192"]
+
+
 def hbm_probe(nbytes: float = 1.2e9, reps: int = 20) -> dict:
     """TB/s of a ``nbytes`` bf16 copy (read + write counted) and sum (read): CUDA events, the mean
     of ``reps`` calls after three warm-up calls."""
@@ -162,8 +165,7 @@ def split(name: str, m: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=["mixtral:2048", "mixtral:8192", "qwen3:2048", "qwen3:8192",
-                                                        "deepseek_v3:2048", "deepseek_v3:8192"])
+    parser.add_argument("--points", nargs="+", default=LARGE_POINTS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for gemm_split.json")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
-from gemm_split import stage_inputs  # noqa: E402
+from gemm_split import LARGE_POINTS, stage_inputs  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.cuda import wgmma  # noqa: E402
@@ -96,8 +96,7 @@ def sweep(name: str, m: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=["mixtral:2048", "mixtral:8192", "qwen3:2048", "qwen3:8192",
-                                                        "deepseek_v3:2048", "deepseek_v3:8192"])
+    parser.add_argument("--points", nargs="+", default=LARGE_POINTS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for sweep_wgmma.json")
     args = parser.parse_args(argv)

@@ -337,12 +337,21 @@ def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
         raise AssertionError("no routing with short tails, long tails and full blocks")
     weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
     x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights)
+
+
+def _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights):
+    """``fused_experts`` on the sorted path with GEMM config ``g`` against the reference; with
+    ``with_map`` the experts past the local ones are not this rank's."""
+    num_experts = weights.w13.shape[0]
     expert_map = None
     if with_map:
-        expert_map = torch.tensor(list(range(num_experts)) + [-1, -1], dtype=torch.int32, device=DEV)
+        expert_map = torch.tensor(list(range(num_experts)) + [-1] * (num_global - num_experts), dtype=torch.int32,
+                                  device=DEV)
     plan = Plan(ExpertsPath.SORTED, g, g, pre_gather=pre_gather)
     out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, num_global))
+    return plan
 
 
 @pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent-flat"])
@@ -363,10 +372,5 @@ def test_expert_ordered_tiles(persistent, group_m, with_map):
     assert (counts > g.block_m).any()  # experts of several M-blocks
     weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=False, gen=gen)
     x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
-    expert_map = None
-    if with_map:
-        expert_map = torch.tensor(list(range(num_experts)) + [-1, -1], dtype=torch.int32, device=DEV)
-    plan = Plan(ExpertsPath.SORTED, g, g, pre_gather=True)
-    out = fused_experts(x, topk_w, topk_ids, weights, expert_map=expert_map, plan=plan)
-    _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), expert_map, num_global))
+    plan = _assert_sorted_plan_matches(g, True, with_map, num_global, x, topk_w, topk_ids, weights)
     assert Plan.from_dict(plan.to_dict()) == plan
