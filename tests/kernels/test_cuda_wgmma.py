@@ -56,6 +56,15 @@ def test_unsupported_says_why():
                          gated=True)
 
 
+def test_block_table_refuses_bad_counts():
+    with pytest.raises(TypeError, match="counts must be a 1-D int32 tensor"):
+        wgmma.block_table(torch.zeros(4, dtype=torch.int64), 10)
+    with pytest.raises(ValueError, match="2000 experts"):
+        wgmma.block_table(torch.zeros(2000, dtype=torch.int32), 10)
+    with pytest.raises(ValueError, match="pairs=-1"):
+        wgmma.block_table(torch.zeros(4, dtype=torch.int32), -1)
+
+
 def _counts(num_experts, pairs, gen):
     ids = torch.randint(0, num_experts, (pairs,), generator=gen)
     counts = torch.bincount(ids, minlength=num_experts)

@@ -219,7 +219,15 @@ def max_blocks(pairs: int, num_local: int) -> int:
 
 def block_table(counts: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``([max_blocks, 4] int32 (expert, first row, end row, 0), [1] int32 live blocks)`` on the device."""
+    if not isinstance(counts, torch.Tensor) or counts.dtype != torch.int32 or counts.dim() != 1:
+        raise TypeError(f"block_table: counts must be a 1-D int32 tensor, but got "
+                        f"{getattr(counts, 'dtype', type(counts).__name__)} of shape {tuple(getattr(counts, 'shape', ()))}.")
     num_local = counts.shape[0]
+    if not 1 <= num_local <= 1024:
+        raise ValueError(f"block_table: counts has {num_local} experts; the table kernel takes 1 to 1024.")
+    if pairs < 0:
+        raise ValueError(f"block_table: pairs={pairs} must be >= 0 (the number of rows counted).")
+    counts = counts.contiguous()
     blocks = torch.empty(max_blocks(pairs, num_local), 4, dtype=torch.int32, device=counts.device)
     live = torch.empty(1, dtype=torch.int32, device=counts.device)
     mod = _module(counts.device.index or 0)
