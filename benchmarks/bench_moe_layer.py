@@ -147,6 +147,14 @@ def our_layer(block, shape: Shape):
     return layer
 
 
+def point(text: str) -> tuple[str, int]:
+    """The ``shape:M`` points of the GEMM benchmarks (an argparse ``type``): ``("qwen3", 2048)``."""
+    name, _, m = text.partition(":")
+    if name not in SHAPES or not m.isdigit() or int(m) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not shape:M with shape one of {sorted(SHAPES)} and M >= 1")
+    return name, int(m)
+
+
 def write_json(out_dir: str | Path | None, name: str, result) -> None:
     """``result`` as ``out_dir/name`` (indented JSON); nothing without an ``out_dir``."""
     if out_dir:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, point, write_json  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.cuda import wgmma  # noqa: E402
@@ -44,7 +44,7 @@ from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
 from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 
-LARGE_POINTS = ["mixtral:2048", "mixtral:8192", "qwen3:2048", "qwen3:8192", "deepseek_v3:2048", "deepseek_v3:8192"]
+LARGE_POINTS = [(s, m) for s in ("mixtral", "qwen3", "deepseek_v3") for m in (2048, 8192)]
 
 
 def hbm_probe(nbytes: float = 1.2e9, reps: int = 20) -> dict:
@@ -165,12 +165,12 @@ def split(name: str, m: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=LARGE_POINTS)
+    parser.add_argument("--points", nargs="+", type=point, default=LARGE_POINTS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for gemm_split.json")
     args = parser.parse_args(argv)
     result = {"hbm_probe": hbm_probe(),
-              "rows": [split(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]}
+              "rows": [split(name, m, args.reps) for name, m in args.points]}
     write_json(args.out, "gemm_split.json", result)
     return 0
 

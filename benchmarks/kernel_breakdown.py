@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, point  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
@@ -101,14 +101,14 @@ def _hits_of(block, shape, inputs) -> float:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=["qwen3:1", "qwen3:256", "qwen3:2048", "mixtral:256",
-                                                        "mixtral:2048", "deepseek_v3:2048", "deepseek_v3:8192"])
+    parser.add_argument("--points", nargs="+", type=point, default=[
+        ("qwen3", 1), ("qwen3", 256), ("qwen3", 2048), ("mixtral", 256), ("mixtral", 2048), ("deepseek_v3", 2048),
+        ("deepseek_v3", 8192)])
     parser.add_argument("--layer", action="store_true",
                         help="profile the whole layer (router linear + fused_moe on an HF block's weights)")
     args = parser.parse_args(argv)
-    for point in args.points:
-        name, m = point.split(":")
-        breakdown(name, int(m), layer=args.layer)
+    for name, m in args.points:
+        breakdown(name, m, layer=args.layer)
     return 0
 
 

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import SHAPES  # noqa: E402
+from bench_moe_layer import SHAPES, point  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
@@ -29,11 +29,10 @@ from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=["mixtral:2048"])
+    parser.add_argument("--points", nargs="+", type=point, default=[("mixtral", 2048)])
     parser.add_argument("--gemm", type=int, default=1, choices=(1, 2))
     args = parser.parse_args(argv)
-    for point in args.points:
-        name, m = point.split(":")[0], int(point.split(":")[1])
+    for name, m in args.points:
         shape = SHAPES[name]
         weights = hf_layout_weights(shape)
         calls = problem(shape, m, weights)
@@ -59,7 +58,7 @@ def main(argv=None) -> int:
         for fn in (triton_gemm, cuda_gemm, triton_gemm, cuda_gemm):
             fn()
         torch.cuda.synchronize()
-        print(point, "done", flush=True)
+        print(f"{name}:{m} done", flush=True)
     return 0
 
 

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, point, write_json  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem, write_table  # noqa: E402
 
@@ -158,8 +158,8 @@ def apply_best(rows: list[dict], config_dir: Path = CONFIG_DIR) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=["qwen3:256", "qwen3:2048", "deepseek_v3:2048",
-                                                        "mixtral:2048", "qwen3:8192", "deepseek_v3:8192"])
+    parser.add_argument("--points", nargs="+", type=point, default=[
+        ("qwen3", 256), ("qwen3", 2048), ("deepseek_v3", 2048), ("mixtral", 2048), ("qwen3", 8192), ("deepseek_v3", 8192)])
     parser.add_argument("--variants", choices=list(VARIANTS), default="group")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=420.0, help="start no variant after this")
@@ -173,8 +173,8 @@ def main(argv=None) -> int:
         return 0
     deadline = time.time() + args.budget_s
     rows = []
-    for p in args.points:
-        rows.append(sweep(p.split(":")[0], int(p.split(":")[1]), args.reps, deadline, args.variants))
+    for name, m in args.points:
+        rows.append(sweep(name, m, args.reps, deadline, args.variants))
         # after every point, so a cut run keeps what it measured
         write_json(args.out, f"sweep_gemm_{args.variants}.json", {"rows": rows})
     if args.apply:

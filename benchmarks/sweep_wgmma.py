@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, point, write_json  # noqa: E402
 from gemm_split import LARGE_POINTS, stage_inputs  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
@@ -96,14 +96,14 @@ def sweep(name: str, m: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--points", nargs="+", default=LARGE_POINTS)
+    parser.add_argument("--points", nargs="+", type=point, default=LARGE_POINTS)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for sweep_wgmma.json")
     args = parser.parse_args(argv)
     if not wgmma.available(torch.device("cuda")):
         print(f"the CUDA kernel cannot run here: {wgmma.unavailable_reason(0)}")
         return 1
-    rows = [sweep(p.split(":")[0], int(p.split(":")[1]), args.reps) for p in args.points]
+    rows = [sweep(name, m, args.reps) for name, m in args.points]
     write_json(args.out, "sweep_wgmma.json", {"variants": VARIANTS, "rows": rows})
     return 0
 

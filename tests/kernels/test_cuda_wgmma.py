@@ -54,6 +54,11 @@ def test_unsupported_says_why():
     with pytest.raises(ValueError, match="wgmma_gemm: .*multiple of 64"):
         wgmma.wgmma_gemm(a, w, out, torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
                          gated=True)
+    a_ok = torch.zeros(8, 128, dtype=torch.bfloat16)
+    w_ok = torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    with pytest.raises(TypeError, match="blocks and live must be block_table's"):
+        wgmma.wgmma_gemm(a_ok, w_ok, out, torch.zeros(1, 4, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                         gated=True)
 
 
 def test_block_table_refuses_bad_counts():

@@ -252,6 +252,10 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
     reason = unsupported(a, w, out, gated)
     if reason:
         raise ValueError(f"wgmma_gemm: {reason}.")
+    if (blocks.dtype != torch.int32 or blocks.dim() != 2 or blocks.shape[1] != 4 or not blocks.is_contiguous()
+            or live.dtype != torch.int32 or live.numel() != 1):
+        raise TypeError(f"wgmma_gemm: blocks and live must be block_table's [N, 4] and [1] int32 tensors, but got "
+                        f"{blocks.dtype} {tuple(blocks.shape)} and {live.dtype} {tuple(live.shape)}.")
     num_local, k_dim, n_total = w.shape
     n_cols = n_total // 2 if gated else n_total
     n_tiles = n_cols // (GATED_COLS if gated else BLOCK_N)

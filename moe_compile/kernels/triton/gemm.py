@@ -362,7 +362,7 @@ def moe_gemm(
 
     ``config.persistent``: sorted or batched blocks run on about one program per SM, each walking
     the live tiles (the grid no longer carries the dead blocks of the upper bound); pair blocks
-    ignore it.
+    ignore it and ``config.expert_order`` (their blocks are single pairs, not counted per expert).
 
     ``row_stride > 0``: batched rows, expert ``e``'s ``counts[e]`` rows start at ``e * row_stride``
     of ``a`` and ``out`` (``[E * cap, ...]`` views of the batched format; other rows are neither
