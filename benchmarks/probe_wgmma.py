@@ -26,7 +26,9 @@ from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 K, INTER, ROWS = 4096, 14336, 4096
 TRITON_CFG = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=1, tail_m=32)
 CUDA_VARIANTS = [dict(persistent=2, group_m=8), dict(persistent=0, group_m=8),
-                 dict(persistent=2, group_m=8, tail=False, defines=("NO_TAIL",))]
+                 dict(persistent=2, group_m=8, tail=False, defines=("NO_TAIL",)),
+                 dict(persistent=0, group_m=8, cluster=2), dict(persistent=1, group_m=8, cluster=2),
+                 dict(persistent=0, group_m=8, cluster=4)]
 
 
 def main() -> int:

@@ -40,13 +40,15 @@ def run_wgmma(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> None:
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     blocks, live = wgmma.block_table(torch.tensor([m], dtype=torch.int32, device="cuda"), m)
     w = b.unsqueeze(0).transpose(1, 2)  # [1, K, N] view of the K-major [1, N, K]
-    wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False)
-    torch.cuda.synchronize()
-    err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
-    t = triton.testing.do_bench(lambda: wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False), warmup=50, rep=300,
-                                return_mode="median")
-    print(f"  wgmma (ours, 128x256x64, 3 warpgroups): {2 * m * n * k / t / 1e9:.0f} TFLOP/s rel err {err:.1e}",
-          flush=True)
+    for var in (dict(), dict(persistent=0, cluster=2), dict(persistent=1, cluster=2), dict(persistent=0, cluster=4)):
+        c.zero_()
+        wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False, **var)
+        torch.cuda.synchronize()
+        err = ((c.float() - ref.float()).norm() / ref.float().norm()).item()
+        t = triton.testing.do_bench(lambda: wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False, **var), warmup=50,
+                                    rep=300, return_mode="median")
+        print(f"  wgmma (ours, 128x256x64, 3 warpgroups) {var}: {2 * m * n * k / t / 1e9:.0f} TFLOP/s "
+              f"rel err {err:.1e}", flush=True)
 
 
 VARIANTS = [(128, 256, 64, 8, 3, False), (128, 128, 64, 8, 4, False), (64, 128, 64, 4, 4, False),

@@ -43,6 +43,34 @@ def test_kernel_compiles_for_sm90a_without_spills():
     assert "serialized" not in log, log  # wgmma must stay asynchronous
 
 
+@pytest.mark.parametrize("cluster", [2, 4])
+def test_cluster_kernel_compiles_without_spills(cluster):
+    try:
+        wgmma.compile_cubin(defines=(f"CLUSTER={cluster}",))
+    except RuntimeError as exc:
+        if "libnvrtc" in str(exc) or "not found" in str(exc).lower():
+            pytest.skip(f"NVRTC library missing: {exc}")
+        raise
+    err, log = _nvrtc_log([b"--gpu-architecture=sm_90a", b"-std=c++17", b"--ptxas-options=-v",
+                           f"-DCLUSTER={cluster}".encode()])
+    assert err == 0, log
+    assert "0 bytes spill stores" in log.split("moe_wgmma_gemm")[-1], log
+    assert "serialized" not in log, log
+
+
+def test_cluster_and_persistent_are_checked():
+    a = torch.zeros(8, 128, dtype=torch.bfloat16)
+    w = torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
+    out = torch.zeros(8, 128, dtype=torch.bfloat16)
+    blocks, live = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cluster=3; expected one of \(1, 2, 4\)"):
+        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, cluster=3)
+    with pytest.raises(ValueError, match="persistent=2; expected 0, 1 or 2 \\(0 or 1 with cluster > 1\\)"):
+        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, cluster=2, persistent=2)
+    with pytest.raises(ValueError, match="persistent=5"):
+        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, persistent=5)
+
+
 def test_unsupported_says_why():
     a = torch.zeros(8, 96, dtype=torch.bfloat16)
     w = torch.zeros(2, 256, 96, dtype=torch.bfloat16).transpose(1, 2)
@@ -110,12 +138,13 @@ def test_block_table_matches_counts(num_experts):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("persistent,tail,defines", [(0, False, ()), (1, True, ()), (2, True, ()), (2, False, ()),
-                                                     (2, False, ("NO_TAIL",))])
+@pytest.mark.parametrize("persistent,tail,defines,cluster", [
+    (0, False, (), 1), (1, True, (), 1), (2, True, (), 1), (2, False, (), 1), (2, False, ("NO_TAIL",), 1),
+    (0, True, (), 2), (1, True, (), 2), (0, False, ("NO_TAIL",), 2), (1, True, (), 4)])
 @pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("num_experts,pairs,k_dim,n_cols", [
     (1, 300, 64, 256), (6, 1000, 256, 512), (16, 3000, 1024, 256), (128, 2500, 768, 768)])
-def test_gemm_matches_torch(gated, num_experts, pairs, k_dim, n_cols, persistent, tail, defines):
+def test_gemm_matches_torch(gated, num_experts, pairs, k_dim, n_cols, persistent, tail, defines, cluster):
     gen = torch.Generator().manual_seed(pairs)
     counts = _counts(num_experts, pairs, gen) if num_experts > 1 else torch.tensor([pairs], dtype=torch.int32)
     pairs = int(counts.sum())
@@ -125,15 +154,20 @@ def test_gemm_matches_torch(gated, num_experts, pairs, k_dim, n_cols, persistent
     w = (torch.randn(num_experts, n_total, k_dim, generator=gen) * k_dim ** -0.5).bfloat16().cuda().transpose(1, 2)
     out = torch.full((pairs, n_cols), float("nan"), dtype=torch.bfloat16, device="cuda")
     blocks, live = wgmma.block_table(counts.cuda(), pairs)
-    wgmma.wgmma_gemm(a, w, out, blocks, live, gated=gated, persistent=persistent, tail=tail, defines=defines)
+    run = dict(gated=gated, persistent=persistent, tail=tail, defines=defines, cluster=cluster)
+    n_tiles = n_cols // (wgmma.GATED_COLS if gated else wgmma.BLOCK_N)
+    if n_tiles % cluster:  # a cluster takes `cluster` neighbouring N-tiles
+        with pytest.raises(ValueError, match=f"cluster={cluster} does not divide the {n_tiles} N-tiles"):
+            wgmma.wgmma_gemm(a, w, out, blocks, live, **run)
+        return
+    wgmma.wgmma_gemm(a, w, out, blocks, live, **run)
     ref = _reference(a.cpu(), w.cpu(), counts, gated)
     err = (out.cpu().float() - ref).norm() / ref.norm()
     assert err <= 1e-2, f"relative error {err:.2e}"
     assert not out.isnan().any()
-    if persistent == 2:  # the kernel hands the ticket counter back at zero for the next launch
+    if persistent == 2 or cluster > 1:  # the ticket counter is back at zero; clusters leave nothing behind
         out2 = torch.empty_like(out)
-        wgmma.wgmma_gemm(a, w, out2, blocks, live, gated=gated, persistent=persistent, tail=tail,
-                         defines=defines)
+        wgmma.wgmma_gemm(a, w, out2, blocks, live, **run)
         assert torch.equal(out2, out)
 
 

@@ -66,7 +66,7 @@ def _check(result, what: str):
 
 def compile_cubin(stages: int = STAGES, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC: ``wgmma_gemm.cu`` -> sm_90a cubin (runs without a GPU); ``defines``: ``-D`` names
-    (``NO_TAIL``: without the 64-row tail tiles)."""
+    (``NO_TAIL``: without the 64-row tail tiles; ``CLUSTER=2``/``4``: CTAs per cluster sharing A)."""
     from cuda.bindings import nvrtc
 
     prog = _check(nvrtc.nvrtcCreateProgram(source().encode(), b"wgmma_gemm.cu", 0, [], []), "nvrtcCreateProgram")
@@ -110,6 +110,9 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and not unavailable_reason(device.index or 0)
 
 
+CLUSTERS = (1, 2, 4)
+
+
 class _Module:
     def __init__(self, index: int, stages: int, defines: tuple[str, ...]):
         from cuda.bindings import driver
@@ -125,6 +128,19 @@ class _Module:
             _check((driver.cuFuncSetAttribute(self.gemm, attr, self.smem)[0], None), "cuFuncSetAttribute")
             # the dynamic scheduler's ticket counter: zero between launches (the kernel resets it)
             self.counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+            self.resident: dict[int, int] = {}  # cluster size -> CTAs that fit on the device at once
+
+    def resident_ctas(self, cluster: int, sm_count: int) -> int:
+        """How many CTAs of ``cluster``-CTA clusters run at once (a persistent grid's size)."""
+        if cluster == 1:
+            return sm_count
+        if cluster not in self.resident:
+            from cuda.bindings import driver
+
+            config = _config(sm_count, self.smem, cluster, None)
+            clusters = _check(driver.cuOccupancyMaxActiveClusters(self.gemm, config), "cuOccupancyMaxActiveClusters")
+            self.resident[cluster] = max(1, int(clusters)) * cluster
+        return self.resident[cluster]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,16 +148,37 @@ def _module(index: int, stages: int = STAGES, defines: tuple[str, ...] = ()) -> 
     return _Module(index, stages, defines)
 
 
-def _launch(fn, grid: int, block: int, smem: int, params: list) -> None:
+def _config(grid: int, smem: int, cluster: int, stream):
+    """A ``CUlaunchConfig`` of ``grid`` x ``THREADS`` with ``cluster``-CTA clusters along x."""
+    from cuda.bindings import driver
+
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+    config.sharedMemBytes = smem
+    if stream is not None:
+        config.hStream = stream
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
+
+
+def _launch(fn, grid: int, block: int, smem: int, params: list, cluster: int = 1) -> None:
     """``params``: ctypes values, or objects with ``getPtr()`` (tensor maps), in kernel order."""
     from cuda.bindings import driver
 
     ptrs = (ctypes.c_void_p * len(params))(
         *[p.getPtr() if hasattr(p, "getPtr") else ctypes.addressof(p) for p in params])
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    err = driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)[0]
+    if cluster == 1:
+        err = driver.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)[0]
+    else:
+        err = driver.cuLaunchKernelEx(_config(grid, smem, cluster, stream), fn, ctypes.addressof(ptrs), 0)[0]
     if int(err) != 0:
-        raise RuntimeError(f"cuLaunchKernel failed: {err}")
+        raise RuntimeError(f"cuLaunchKernel{'Ex' if cluster > 1 else ''} failed: {err}")
 
 
 def tensor_map(t: torch.Tensor, box_rows: int):
@@ -239,7 +276,7 @@ def block_table(counts: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.T
 
 
 def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torch.Tensor, live: torch.Tensor,
-               *, gated: bool, group_m: int = 8, persistent: int = 2, tail: bool = True,
+               *, gated: bool, group_m: int = 8, persistent: int = 2, tail: bool = True, cluster: int = 1,
                defines: tuple[str, ...] = ()) -> torch.Tensor:
     """``out[r] = (silu(a[r] @ Wg[e]) * (a[r] @ Wu[e]) if gated else a[r] @ W[e])`` for each block's
     rows ``r`` of expert ``e`` (``blocks``/``live`` from ``block_table``); ``w`` is the ``[E, K, N]``
@@ -248,10 +285,16 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
     ``persistent``: 0, one CTA per tile of the upper bound; 1, one CTA per SM walks the tiles
     round-robin; 2, one CTA per SM claims the next tile from a counter on the device;
     ``tail``: a block of at most 64 rows runs as a 64-row tile; ``group_m``: M-blocks per N-block
-    in the tile order."""
+    in the tile order; ``cluster``: 2 or 4 CTAs per cluster take neighbouring N-tiles of one
+    M-block, each loading 1 / ``cluster`` of the A tile by TMA multicast into all of them (less L2
+    traffic; the N-tiles must divide by it; persistent 0 or 1)."""
     reason = unsupported(a, w, out, gated)
     if reason:
         raise ValueError(f"wgmma_gemm: {reason}.")
+    if cluster not in CLUSTERS:
+        raise ValueError(f"wgmma_gemm: cluster={cluster!r}; expected one of {CLUSTERS}.")
+    if persistent not in (0, 1, 2) or (cluster > 1 and persistent == 2):
+        raise ValueError(f"wgmma_gemm: persistent={persistent!r}; expected 0, 1 or 2 (0 or 1 with cluster > 1).")
     if (blocks.dtype != torch.int32 or blocks.dim() != 2 or blocks.shape[1] != 4 or not blocks.is_contiguous()
             or live.dtype != torch.int32 or live.numel() != 1):
         raise TypeError(f"wgmma_gemm: blocks and live must be block_table's [N, 4] and [1] int32 tensors, but got "
@@ -259,18 +302,23 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
     num_local, k_dim, n_total = w.shape
     n_cols = n_total // 2 if gated else n_total
     n_tiles = n_cols // (GATED_COLS if gated else BLOCK_N)
+    if n_tiles % cluster:
+        raise ValueError(f"wgmma_gemm: cluster={cluster} does not divide the {n_tiles} N-tiles "
+                         f"(N={n_cols}); use cluster=1.")
     m_upper = blocks.shape[0]
     if m_upper == 0 or a.shape[0] == 0:
         return out
-    mod = _module(a.device.index or 0, STAGES, tuple(defines))
-    params = [tensor_map(a, BLOCK_M), _weight_map(w, gated), ctypes.c_uint64(out.data_ptr()),
+    index = a.device.index or 0
+    mod = _module(index, STAGES, tuple(defines) + ((f"CLUSTER={cluster}",) if cluster > 1 else ()))
+    params = [tensor_map(a, BLOCK_M // cluster), _weight_map(w, gated), ctypes.c_uint64(out.data_ptr()),
               ctypes.c_uint64(blocks.data_ptr()), ctypes.c_uint64(live.data_ptr()), ctypes.c_int32(n_tiles),
               ctypes.c_int32(k_dim // BLOCK_K), ctypes.c_int32(n_total), ctypes.c_int32(n_cols if gated else 0),
               ctypes.c_int32(out.stride(0)), ctypes.c_int32(group_m), ctypes.c_int32(int(gated)),
               ctypes.c_int32(64 if tail else 0),
               ctypes.c_uint64(mod.counter.data_ptr() if persistent == 2 else 0)]
     tiles = m_upper * n_tiles
-    _launch(mod.gemm, min(tiles, _sm_count(a.device.index or 0)) if persistent else tiles, THREADS, mod.smem, params)
+    grid = min(tiles, mod.resident_ctas(cluster, _sm_count(index))) if persistent else tiles
+    _launch(mod.gemm, grid, THREADS, mod.smem, params, cluster)
     return out
 
 

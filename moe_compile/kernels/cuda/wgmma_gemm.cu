@@ -23,9 +23,13 @@ struct __align__(16) Block { int expert, row0, row_end, pad; };
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef CLUSTER
+#define CLUSTER 1  // CTAs per cluster along N: they share the A tile, each loads 1 / CLUSTER of it
+#endif
 #define BM 128
 #define BN 256
 #define BK 64
+#define A_BOX (BM / CLUSTER)  // A rows one CTA loads (and multicasts to the cluster)
 #define A_TILE (BM * BK)
 #define B_TILE (BN * BK)
 #define STAGE_BYTES ((A_TILE + B_TILE) * 2)
@@ -48,6 +52,33 @@ __device__ __forceinline__ void mbar_arrive(u64* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(smem_addr(bar)) : "memory");
 }
 
+// arrive on the barrier at the same shared-memory offset in cluster CTA ``cta`` (possibly this one)
+__device__ __forceinline__ void mbar_arrive_cta(u64* bar, u32 cta) {
+#ifdef ARRIVE_RELEASE_CLUSTER
+    asm volatile("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, %0, %1; "
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }"
+                 :: "r"(smem_addr(bar)), "r"(cta) : "memory");
+#else
+    asm volatile("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, %0, %1; "
+                 "mbarrier.arrive.shared::cluster.b64 _, [ra]; }"
+                 :: "r"(smem_addr(bar)), "r"(cta) : "memory");
+#endif
+}
+
+// a consumer warp hands a stage back: lane 0 to this CTA's barrier; CLUSTER > 1: lane r to CTA r's
+__device__ __forceinline__ void release(u64* bar, int lane) {
+#if CLUSTER > 1
+    mbar_arrive_cta(bar, (u32)lane);
+#else
+    mbar_arrive(bar);
+#endif
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    __syncwarp();
+    asm volatile("barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 addr = smem_addr(bar), done = 0;
     do {
@@ -66,6 +97,14 @@ __device__ __forceinline__ void tma_load(void* dst, const TmaDesc* desc, u64* ba
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
         :: "r"(smem_addr(dst)), "l"((u64)desc), "r"(smem_addr(bar)), "r"(c0), "r"(c1) : "memory");
+}
+
+// the same box into every CTA of the cluster (same offset, each CTA's own barrier at bar's offset)
+__device__ __forceinline__ void tma_load_mc(void* dst, const TmaDesc* desc, u64* bar, int c0, int c1, unsigned short mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%3, %4}], [%2], %5;"
+        :: "r"(smem_addr(dst)), "l"((u64)desc), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "h"(mask) : "memory");
 }
 
 // Shared-memory matrix descriptor of a K-major tile with 128-byte rows in the 128B swizzle
@@ -169,12 +208,16 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
     int* tile_info = (int*)(tile_empty + 2);  // two slots of 8 ints: tile, pid_n, expert, row0, row_end
 
     int live_m = *num_live;
-    int total = live_m * n_tiles;
+    // CLUSTER > 1: the cluster's CTAs take N-tiles CLUSTER n' .. CLUSTER n' + CLUSTER - 1 of one
+    // M-block; "tiles" below count those groups, and every CTA of a cluster walks the same ones.
+    int n_groups = n_tiles / CLUSTER;
+    int total = live_m * n_groups;
+    int rank = (int)(blockIdx.x % CLUSTER), first = (int)(blockIdx.x / CLUSTER), stride = (int)(gridDim.x / CLUSTER);
     int tid = threadIdx.x;
     if (tid == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 8);  // lane 0 of each consumer warp
+            mbar_init(&empty[s], 8 * CLUSTER);  // lane 0 of each consumer warp of every CTA in the cluster
         }
         for (int j = 0; j < 2; ++j) {
             mbar_init(&tile_full[j], 1);
@@ -182,22 +225,27 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+#if CLUSTER > 1
+    cluster_sync();  // no CTA multicasts into (or arrives on) a peer's barriers before they exist
+#else
     __syncthreads();
+#endif
 
     int wg = tid / 128;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-        if (tid != 0) return;
+        if (tid == 0) {
         int it = 0;
-        for (int tile = blockIdx.x, tickets = 0;; tile += gridDim.x, ++tickets) {
-            if (tile_counter) {  // dynamic: the next unclaimed tile
+        for (int tile = first, tickets = 0;; tile += stride, ++tickets) {
+            if (tile_counter) {  // dynamic: the next unclaimed tile (CLUSTER == 1 only)
                 tile = atomicAdd(tile_counter, 1);
                 if (tile == total + (int)gridDim.x - 1) atomicExch(tile_counter, 0);  // the last ticket of all
             }
             int pid_m = 0, pid_n = 0;
             Block blk = {0, 0, 0, 0};
             if (tile < total) {
-                tile_of(tile, live_m, n_tiles, group_m, pid_m, pid_n);
+                tile_of(tile, live_m, n_groups, group_m, pid_m, pid_n);
+                pid_n = pid_n * CLUSTER + rank;
                 blk = blocks[pid_m];
             }
             int j = tickets & 1;
@@ -218,15 +266,21 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
             int w_z = gated ? 2 * blk.expert : blk.expert * (n_total / 128) + 2 * pid_n;
             for (int kt = 0; kt < k_tiles; ++kt, ++it) {
                 int s = it % STAGES;
+                // CLUSTER > 1: stage s of every CTA is free (our slice of A lands in all of them)
                 if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);
+                mbar_expect_tx(&full[s], STAGE_BYTES);  // all of A (CLUSTER slices) and our B
+#if CLUSTER > 1
+                tma_load_mc(sA + s * A_TILE + rank * A_BOX * BK, &a_desc, &full[s], kt * BK, blk.row0 + rank * A_BOX,
+                            (unsigned short)((1 << CLUSTER) - 1));
+#else
                 tma_load(sA + s * A_TILE, &a_desc, &full[s], kt * BK, blk.row0);
+#endif
                 tma_load3(sB + s * B_TILE, &w_desc, &full[s], kt * BK, w_r, w_z);
                 if (gated) tma_load3(sB + s * B_TILE + 128 * BK, &w_desc, &full[s], kt * BK, w_r + 64, w_z);
             }
         }
-        return;
-    }
+        }
+    } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     int c = wg - 1;
     int lane = tid & 31, warp = (tid & 127) >> 5, q = lane & 3;
@@ -268,10 +322,10 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
 #endif
             wgmma_commit();
             wgmma_wait<1>();
-            if (kt > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+            if (kt > 0 && lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
         }
         wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(&empty[(it - 1) % STAGES]);
+        if (lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
 
         // accumulator chunk i (8 columns): this thread holds columns 8i + 2q, 8i + 2q + 1 of rows
         // r and r + 8; store16 writes chunks i, i + 1 of a row as four 8-byte stores of the quad
@@ -317,4 +371,8 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
             }
         }
     }
+    }
+#if CLUSTER > 1
+    cluster_sync();  // peers may still arrive on our "empty" barriers until they are done
+#endif
 }
