@@ -19,8 +19,13 @@ faster than Triton on a plain bf16 matmul (642-669 TFLOP/s against 576-585 for T
 and 691-761 for cuBLAS, ``benchmarks/probe_ws.py --quick``), but 2-18 % slower than the tuned
 Triton GEMMs inside the MoE layer, and ~5 % slower than Triton's gated GEMM even with one expert
 (``benchmarks/sweep_wgmma.py``, ``benchmarks/probe_wgmma.py``). So no tuned plan uses it; the
-layer runs the Triton GEMMs. What it lacks against CUTLASS-class kernels: 2-CTA clusters with
-TMA multicast and an epilogue that overlaps the next tile's MMAs.
+layer runs the Triton GEMMs.
+
+``cluster=2``/``4`` (eighth session) runs the CTAs in clusters that share the A tile by TMA
+multicast. It is correct, but at best level with no clusters: 604-627 against 650 TFLOP/s on a
+plain 8192^3 matmul (``benchmarks/probe_cluster.py``), and no faster in the layer's GEMMs. So L2
+traffic is not what holds the kernel back. Still untried: an epilogue that overlaps the other
+consumer's MMAs (ping-pong).
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@
 // registers and [rows, 128] is stored.
 // Rows past the block's expert (its end row) are computed from whatever TMA brought (the next
 // expert's rows, or zeros past the end of A) and never stored.
+// CLUSTER = 2 or 4 (a -D define; launched with that cluster size): the cluster's CTAs take
+// neighbouring N-tiles of one M-block; each loads 1 / CLUSTER of the A tile and multicasts it to
+// all of them, so a stage is free only once the consumers of every CTA have released it.
 //
 // Compiled at run time by NVRTC (moe_compile/kernels/cuda/wgmma.py writes the wgmma_m64n{128,256}k16 asm).
 
