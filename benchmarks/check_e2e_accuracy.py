@@ -34,10 +34,15 @@ from bench_e2e import DIMS, SIZES, build  # noqa: E402
 NEAR_TIE = 0.01  # of the token's score range (max - min over experts)
 
 
-def _router_hooks(model, top_k: int, store: list):
+def _num_experts(config) -> int:
+    return next(getattr(config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                if getattr(config, a, None))
+
+
+def _router_hooks(model, store: list):
     """Forward hooks on each MoE block's router that record its scores ``[tokens, experts]``."""
     handles = []
-    num_experts = DIMS_BY_MODEL[model.config.model_type]
+    num_experts = _num_experts(model.config)
     for name, module in model.named_modules():
         if name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate"):
             def hook(_mod, _inp, out, name=name):
@@ -46,9 +51,6 @@ def _router_hooks(model, top_k: int, store: list):
                     store.append((name, t.detach().float().reshape(-1, num_experts)))
             handles.append(module.register_forward_hook(hook))
     return handles
-
-
-DIMS_BY_MODEL: dict = {}
 
 
 def routing_report(scores_bf16: list, scores_fp32: list, top_k: int) -> list[dict]:
@@ -70,19 +72,16 @@ def run(name: str, args) -> dict:
 
     model = build(name, args.layers, args.tiny, args.device)
     top_k = model.config.num_experts_per_tok
-    DIMS_BY_MODEL[model.config.model_type] = next(
-        getattr(model.config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
-        if getattr(model.config, a, None))
     gen = torch.Generator(device=args.device).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, SIZES[args.size], device=args.device, generator=gen)
     with torch.no_grad():
         s16, s32 = [], []
-        handles = _router_hooks(model, top_k, s16)
+        handles = _router_hooks(model, s16)
         eager = model(input_ids=ids, use_cache=False).logits.float()
         for h in handles:
             h.remove()
         ref_model = copy.deepcopy(model).float()
-        handles = _router_hooks(ref_model, top_k, s32)
+        handles = _router_hooks(ref_model, s32)
         ref = ref_model(input_ids=ids, use_cache=False).logits.float()
         for h in handles:
             h.remove()

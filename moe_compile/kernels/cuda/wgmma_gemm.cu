@@ -238,142 +238,142 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (tid == 0) {
-        int it = 0;
-        for (int tile = first, tickets = 0;; tile += stride, ++tickets) {
-            if (tile_counter) {  // dynamic: the next unclaimed tile (CLUSTER == 1 only)
-                tile = atomicAdd(tile_counter, 1);
-                if (tile == total + (int)gridDim.x - 1) atomicExch(tile_counter, 0);  // the last ticket of all
-            }
-            int pid_m = 0, pid_n = 0;
-            Block blk = {0, 0, 0, 0};
-            if (tile < total) {
-                tile_of(tile, live_m, n_groups, group_m, pid_m, pid_n);
-                pid_n = pid_n * CLUSTER + rank;
-                blk = blocks[pid_m];
-            }
-            int j = tickets & 1;
-            if (tickets >= 2) mbar_wait(&tile_empty[j], ((tickets >> 1) - 1) & 1);
-            int* info = tile_info + 8 * j;
-            info[0] = tile;
-            info[1] = pid_n;
-            info[2] = blk.expert;
-            info[3] = blk.row0;
-            info[4] = blk.row_end;
-            mbar_arrive(&tile_full[j]);
-            if (tile >= total) break;
-            // the 256 B rows in shared memory: plain, W rows n0 .. n0 + 255; gated, gate rows
-            // g0 .. g0 + 63, up rows g0 .., gate rows g0 + 64 .., up rows g0 + 64 ..
-            // w_desc is 3-D: gated (K, I, 2E), box (64, 64, 2): dim 2 is 2e (gate) or 2e + 1 (up);
-            // plain (K, 128, E * N / 128), box (64, 128, 2).
-            int w_r = gated ? pid_n * 128 : 0;
-            int w_z = gated ? 2 * blk.expert : blk.expert * (n_total / 128) + 2 * pid_n;
-            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-                int s = it % STAGES;
-                // CLUSTER > 1: stage s of every CTA is free (our slice of A lands in all of them)
-                if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
-                mbar_expect_tx(&full[s], STAGE_BYTES);  // all of A (CLUSTER slices) and our B
+            int it = 0;
+            for (int tile = first, tickets = 0;; tile += stride, ++tickets) {
+                if (tile_counter) {  // dynamic: the next unclaimed tile (CLUSTER == 1 only)
+                    tile = atomicAdd(tile_counter, 1);
+                    if (tile == total + (int)gridDim.x - 1) atomicExch(tile_counter, 0);  // the last ticket of all
+                }
+                int pid_m = 0, pid_n = 0;
+                Block blk = {0, 0, 0, 0};
+                if (tile < total) {
+                    tile_of(tile, live_m, n_groups, group_m, pid_m, pid_n);
+                    pid_n = pid_n * CLUSTER + rank;
+                    blk = blocks[pid_m];
+                }
+                int j = tickets & 1;
+                if (tickets >= 2) mbar_wait(&tile_empty[j], ((tickets >> 1) - 1) & 1);
+                int* info = tile_info + 8 * j;
+                info[0] = tile;
+                info[1] = pid_n;
+                info[2] = blk.expert;
+                info[3] = blk.row0;
+                info[4] = blk.row_end;
+                mbar_arrive(&tile_full[j]);
+                if (tile >= total) break;
+                // the 256 B rows in shared memory: plain, W rows n0 .. n0 + 255; gated, gate rows
+                // g0 .. g0 + 63, up rows g0 .., gate rows g0 + 64 .., up rows g0 + 64 ..
+                // w_desc is 3-D: gated (K, I, 2E), box (64, 64, 2): dim 2 is 2e (gate) or 2e + 1 (up);
+                // plain (K, 128, E * N / 128), box (64, 128, 2).
+                int w_r = gated ? pid_n * 128 : 0;
+                int w_z = gated ? 2 * blk.expert : blk.expert * (n_total / 128) + 2 * pid_n;
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    int s = it % STAGES;
+                    // CLUSTER > 1: stage s of every CTA is free (our slice of A lands in all of them)
+                    if (it >= STAGES) mbar_wait(&empty[s], ((it / STAGES) - 1) & 1);
+                    mbar_expect_tx(&full[s], STAGE_BYTES);  // all of A (CLUSTER slices) and our B
 #if CLUSTER > 1
-                tma_load_mc(sA + s * A_TILE + rank * A_BOX * BK, &a_desc, &full[s], kt * BK, blk.row0 + rank * A_BOX,
-                            (unsigned short)((1 << CLUSTER) - 1));
+                    tma_load_mc(sA + s * A_TILE + rank * A_BOX * BK, &a_desc, &full[s], kt * BK, blk.row0 + rank * A_BOX,
+                                (unsigned short)((1 << CLUSTER) - 1));
 #else
-                tma_load(sA + s * A_TILE, &a_desc, &full[s], kt * BK, blk.row0);
+                    tma_load(sA + s * A_TILE, &a_desc, &full[s], kt * BK, blk.row0);
 #endif
-                tma_load3(sB + s * B_TILE, &w_desc, &full[s], kt * BK, w_r, w_z);
-                if (gated) tma_load3(sB + s * B_TILE + 128 * BK, &w_desc, &full[s], kt * BK, w_r + 64, w_z);
+                    tma_load3(sB + s * B_TILE, &w_desc, &full[s], kt * BK, w_r, w_z);
+                    if (gated) tma_load3(sB + s * B_TILE + 128 * BK, &w_desc, &full[s], kt * BK, w_r + 64, w_z);
+                }
             }
-        }
         }
     } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-    int c = wg - 1;
-    int lane = tid & 31, warp = (tid & 127) >> 5, q = lane & 3;
-    int it = 0;
-    float d[128];  // the first k-step's MMAs overwrite it (scale_d = 0)
-    for (int tickets = 0;; ++tickets) {
-        int j = tickets & 1;
-        mbar_wait(&tile_full[j], (tickets >> 1) & 1);
-        const int* info = tile_info + 8 * j;
-        int tile = info[0], pid_n = info[1], row0 = info[3], row_end = info[4];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&tile_empty[j]);
-        if (tile >= total) break;
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        int c = wg - 1;
+        int lane = tid & 31, warp = (tid & 127) >> 5, q = lane & 3;
+        int it = 0;
+        float d[128];  // the first k-step's MMAs overwrite it (scale_d = 0)
+        for (int tickets = 0;; ++tickets) {
+            int j = tickets & 1;
+            mbar_wait(&tile_full[j], (tickets >> 1) & 1);
+            const int* info = tile_info + 8 * j;
+            int tile = info[0], pid_n = info[1], row0 = info[3], row_end = info[4];
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&tile_empty[j]);
+            if (tile >= total) break;
 #ifdef NO_TAIL
-        const bool tail = false;
+            const bool tail = false;
 #else
-        bool tail = row_end - row0 <= tail_rows;  // tail_rows: 0 or 64
+            bool tail = row_end - row0 <= tail_rows;  // tail_rows: 0 or 64
 #endif
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-            int s = it % STAGES;
-            mbar_wait(&full[s], (it / STAGES) & 1);
-            u32 b_base = smem_addr(sB + s * B_TILE);
-            u32 keep = kt != 0;
-            wgmma_fence();
-            if (!tail) {
-                u32 a_base = smem_addr(sA + s * A_TILE + c * 64 * BK);
+            for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                int s = it % STAGES;
+                mbar_wait(&full[s], (it / STAGES) & 1);
+                u32 b_base = smem_addr(sB + s * B_TILE);
+                u32 keep = kt != 0;
+                wgmma_fence();
+                if (!tail) {
+                    u32 a_base = smem_addr(sA + s * A_TILE + c * 64 * BK);
 #pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk)
-                    wgmma_m64n256k16(d, smem_desc(a_base + kk * 32), smem_desc(b_base + kk * 32), keep | kk);
-            }
+                    for (int kk = 0; kk < BK / 16; ++kk)
+                        wgmma_m64n256k16(d, smem_desc(a_base + kk * 32), smem_desc(b_base + kk * 32), keep | kk);
+                }
 #ifndef NO_TAIL
-            else {  // B rows 128c .. 128c + 127: half the plain columns, or 64 gate and their 64 up rows
-                u32 a_base = smem_addr(sA + s * A_TILE);
-                u32 h_base = b_base + c * 128 * 128;
+                else {  // B rows 128c .. 128c + 127: half the plain columns, or 64 gate and their 64 up rows
+                    u32 a_base = smem_addr(sA + s * A_TILE);
+                    u32 h_base = b_base + c * 128 * 128;
 #pragma unroll
-                for (int kk = 0; kk < BK / 16; ++kk)
-                    wgmma_m64n128k16(d, smem_desc(a_base + kk * 32), smem_desc(h_base + kk * 32), keep | kk);
-            }
+                    for (int kk = 0; kk < BK / 16; ++kk)
+                        wgmma_m64n128k16(d, smem_desc(a_base + kk * 32), smem_desc(h_base + kk * 32), keep | kk);
+                }
 #endif
-            wgmma_commit();
-            wgmma_wait<1>();
-            if (kt > 0 && lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
-        }
-        wgmma_wait<0>();
-        if (lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
+                wgmma_commit();
+                wgmma_wait<1>();
+                if (kt > 0 && lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
+            }
+            wgmma_wait<0>();
+            if (lane < CLUSTER) release(&empty[(it - 1) % STAGES], lane);
 
-        // accumulator chunk i (8 columns): this thread holds columns 8i + 2q, 8i + 2q + 1 of rows
-        // r and r + 8; store16 writes chunks i, i + 1 of a row as four 8-byte stores of the quad
-        int r_base = row0 + (tail ? 0 : c * 64) + warp * 16 + (lane >> 2);
+            // accumulator chunk i (8 columns): this thread holds columns 8i + 2q, 8i + 2q + 1 of rows
+            // r and r + 8; store16 writes chunks i, i + 1 of a row as four 8-byte stores of the quad
+            int r_base = row0 + (tail ? 0 : c * 64) + warp * 16 + (lane >> 2);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            int row = r_base + h * 8;
-            bool ok = row < row_end;
-            bf16_bits* orow = out + (long long)row * ld_out;
-            if (!tail && gated) {
-                orow += pid_n * 128;
+            for (int h = 0; h < 2; ++h) {
+                int row = r_base + h * 8;
+                bool ok = row < row_end;
+                bf16_bits* orow = out + (long long)row * ld_out;
+                if (!tail && gated) {
+                    orow += pid_n * 128;
 #pragma unroll
-                for (int i = 0; i < 16; i += 2) {  // output chunk i: gate chunk g, up chunk g + 8
-                    int g0 = i < 8 ? i : i + 8, g1 = g0 + 1;
-                    u32 lo = pack_bf16(silu(d[g0 * 4 + h * 2]) * d[(g0 + 8) * 4 + h * 2],
-                                       silu(d[g0 * 4 + h * 2 + 1]) * d[(g0 + 8) * 4 + h * 2 + 1]);
-                    u32 hi = pack_bf16(silu(d[g1 * 4 + h * 2]) * d[(g1 + 8) * 4 + h * 2],
-                                       silu(d[g1 * 4 + h * 2 + 1]) * d[(g1 + 8) * 4 + h * 2 + 1]);
-                    store16(orow + i * 8, lo, hi, q, ok);
+                    for (int i = 0; i < 16; i += 2) {  // output chunk i: gate chunk g, up chunk g + 8
+                        int g0 = i < 8 ? i : i + 8, g1 = g0 + 1;
+                        u32 lo = pack_bf16(silu(d[g0 * 4 + h * 2]) * d[(g0 + 8) * 4 + h * 2],
+                                           silu(d[g0 * 4 + h * 2 + 1]) * d[(g0 + 8) * 4 + h * 2 + 1]);
+                        u32 hi = pack_bf16(silu(d[g1 * 4 + h * 2]) * d[(g1 + 8) * 4 + h * 2],
+                                           silu(d[g1 * 4 + h * 2 + 1]) * d[(g1 + 8) * 4 + h * 2 + 1]);
+                        store16(orow + i * 8, lo, hi, q, ok);
+                    }
+                } else if (!tail) {
+                    orow += pid_n * 256;
+#pragma unroll
+                    for (int i = 0; i < 32; i += 2)
+                        store16(orow + i * 8, pack_bf16(d[i * 4 + h * 2], d[i * 4 + h * 2 + 1]),
+                                pack_bf16(d[(i + 1) * 4 + h * 2], d[(i + 1) * 4 + h * 2 + 1]), q, ok);
+                } else if (gated) {
+                    orow += pid_n * 128 + c * 64;
+#pragma unroll
+                    for (int i = 0; i < 8; i += 2) {
+                        u32 lo = pack_bf16(silu(d[i * 4 + h * 2]) * d[(i + 8) * 4 + h * 2],
+                                           silu(d[i * 4 + h * 2 + 1]) * d[(i + 8) * 4 + h * 2 + 1]);
+                        u32 hi = pack_bf16(silu(d[(i + 1) * 4 + h * 2]) * d[(i + 9) * 4 + h * 2],
+                                           silu(d[(i + 1) * 4 + h * 2 + 1]) * d[(i + 9) * 4 + h * 2 + 1]);
+                        store16(orow + i * 8, lo, hi, q, ok);
+                    }
+                } else {
+                    orow += pid_n * 256 + c * 128;
+#pragma unroll
+                    for (int i = 0; i < 16; i += 2)
+                        store16(orow + i * 8, pack_bf16(d[i * 4 + h * 2], d[i * 4 + h * 2 + 1]),
+                                pack_bf16(d[(i + 1) * 4 + h * 2], d[(i + 1) * 4 + h * 2 + 1]), q, ok);
                 }
-            } else if (!tail) {
-                orow += pid_n * 256;
-#pragma unroll
-                for (int i = 0; i < 32; i += 2)
-                    store16(orow + i * 8, pack_bf16(d[i * 4 + h * 2], d[i * 4 + h * 2 + 1]),
-                            pack_bf16(d[(i + 1) * 4 + h * 2], d[(i + 1) * 4 + h * 2 + 1]), q, ok);
-            } else if (gated) {
-                orow += pid_n * 128 + c * 64;
-#pragma unroll
-                for (int i = 0; i < 8; i += 2) {
-                    u32 lo = pack_bf16(silu(d[i * 4 + h * 2]) * d[(i + 8) * 4 + h * 2],
-                                       silu(d[i * 4 + h * 2 + 1]) * d[(i + 8) * 4 + h * 2 + 1]);
-                    u32 hi = pack_bf16(silu(d[(i + 1) * 4 + h * 2]) * d[(i + 9) * 4 + h * 2],
-                                       silu(d[(i + 1) * 4 + h * 2 + 1]) * d[(i + 9) * 4 + h * 2 + 1]);
-                    store16(orow + i * 8, lo, hi, q, ok);
-                }
-            } else {
-                orow += pid_n * 256 + c * 128;
-#pragma unroll
-                for (int i = 0; i < 16; i += 2)
-                    store16(orow + i * 8, pack_bf16(d[i * 4 + h * 2], d[i * 4 + h * 2 + 1]),
-                            pack_bf16(d[(i + 1) * 4 + h * 2], d[(i + 1) * 4 + h * 2 + 1]), q, ok);
             }
         }
-    }
     }
 #if CLUSTER > 1
     cluster_sync();  // peers may still arrive on our "empty" barriers until they are done
