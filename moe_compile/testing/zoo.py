@@ -41,11 +41,13 @@ def get_family(name: str) -> FamilySpec:
     return MOE_FAMILIES[name]
 
 
-def is_available(model_type: str) -> tuple[bool, str]:
-    """Whether the installed transformers has the family's classes, and why not.
+def is_available(model_type: str, experts_implementation=None) -> tuple[bool, str]:
+    """Whether the installed transformers has the family's classes (and can switch its experts to
+    ``experts_implementation``, when one other than ``"native"`` is given), and why not.
 
     The zoo targets transformers 5.24; older installs (the GPU machine has 5.17) lack a few
-    families (bailing_hybrid, flint, lara_mini, kolibri1, beam in 5.17).
+    families (bailing_hybrid, flint, lara_mini, kolibri1, beam in 5.17), and some of their
+    families' experts take no implementation switch yet (aria_text in 5.17).
     """
     spec = get_family(model_type)
     try:
@@ -55,7 +57,21 @@ def is_available(model_type: str) -> tuple[bool, str]:
     missing = [name for name in (spec.config_class, spec.model_class) if not hasattr(transformers, name)]
     if missing:
         return False, "transformers %s has no %s" % (transformers.__version__, ", ".join(missing))
+    impl = _parse_impl(spec, experts_implementation)
+    if impl is not None and impl is not ExpertsImpl.NATIVE and not experts_switchable(model_type):
+        return False, "transformers %s's %s does not take an experts implementation" % (
+            transformers.__version__, spec.model_class)
     return True, ""
+
+
+def experts_switchable(model_type: str) -> bool:
+    """Whether the installed transformers lets the family's model switch its experts implementation
+    (its modeling code uses ``@use_experts_implementation``)."""
+    import transformers
+
+    model_cls = getattr(transformers, get_family(model_type).model_class)
+    can_set = getattr(model_cls, "_can_set_experts_implementation", None)
+    return bool(can_set()) if callable(can_set) else get_family(model_type).decorated
 
 
 def _parse_impl(spec: FamilySpec, experts_implementation) -> ExpertsImpl | None:
@@ -183,7 +199,7 @@ def build_model(
     impl = _parse_impl(spec, experts_implementation)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, but got {dtype!r}.")
-    available, why = is_available(model_type)
+    available, why = is_available(model_type, impl)
     if not available:
         raise RuntimeError(f"cannot build {model_type!r}: {why}")
     config = build_config(model_type, num_layers=num_layers)

@@ -121,7 +121,8 @@ EXTRA_FAMILIES = (
         n_shared_experts=1),
     _r4("glm_moe_dsa", "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", "GlmMoeDsaMoE", mla=True, n_shared_experts=1,
         first_k_dense_replace=0, layer_types=None),
-    _r4("axk1", "AXK1Config", "AXK1ForCausalLM", "AXK1MoE", mla=True, n_shared_experts=1),
+    # first_k_dense_replace=0: transformers 5.17's AXK1Config has no mlp_layer_types (layer 0 dense)
+    _r4("axk1", "AXK1Config", "AXK1ForCausalLM", "AXK1MoE", mla=True, n_shared_experts=1, first_k_dense_replace=0),
     _r4("beam", "BeamConfig", "BeamForCausalLM", "BeamMoE", shared=SharedExperts.NONE, num_experts=8,
         layer_types=None, sliding_window=16),
 )

@@ -263,6 +263,13 @@ def cuda_main(interpret: bool) -> int:
     import os
     import subprocess
 
+    if interpret:
+        from moe_compile.kernels.triton import interpreter_problem
+
+        problem = interpreter_problem()
+        if problem:
+            print(f"selfcheck --interpret cannot run here: {problem}.", file=sys.stderr)
+            return 2
     if interpret and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         # the flag must be set before triton is first imported (importing moe_compile imports it)
         env = dict(os.environ, TRITON_INTERPRET="1")

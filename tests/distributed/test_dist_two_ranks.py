@@ -6,11 +6,14 @@ and a failure lists each failing case with its rank and traceback.
 from __future__ import annotations
 
 import traceback
+import warnings
 
 import pytest
 
 from dist_cases import CASES, REGISTRY_CASES, Case, host_syncs, registry_report, run_case, triton_batched_case
 from dist_harness import failures, run_cases, run_workers
+
+from moe_compile.kernels.triton import interpreter_problem
 
 # batched and static never wait for the host (graph-capturable); dynamic waits once, for its splits
 SYNC_CASES = [(Case("batched", "ep", "batched"), []), (Case("batched-sharded", "ep", "batched", tokens_full=False), []),
@@ -24,11 +27,12 @@ def _worker(rank: int, world_size: int) -> dict:
 
     report = run_cases(CASES, run_case)
     report.update(registry_report(REGISTRY_CASES))
-    try:  # the batched Triton experts behind the EP batched all-to-all (Triton's interpreter on CPU)
-        triton_batched_case()
-        report["triton-batched-experts"] = None
-    except Exception:  # noqa: BLE001
-        report["triton-batched-experts"] = traceback.format_exc(limit=6)
+    if not interpreter_problem():  # (the test warns when it cannot run)
+        try:  # the batched Triton experts behind the EP batched all-to-all (Triton's interpreter on CPU)
+            triton_batched_case()
+            report["triton-batched-experts"] = None
+        except Exception:  # noqa: BLE001
+            report["triton-batched-experts"] = traceback.format_exc(limit=6)
     for case, expected in SYNC_CASES:
         try:
             seen = host_syncs(case)
@@ -41,10 +45,15 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.distributed
-def test_two_ranks():
+def test_two_ranks(monkeypatch):
     pytest.importorskip("transformers")
     from dist_compiled import BACKEND_CASE
 
+    # the gloo ranks hold CPU tensors, so their Triton kernels run under the interpreter even
+    # where a GPU is present (the spawned workers read the flag before they import triton)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if interpreter_problem():
+        warnings.warn(f"the batched Triton experts case is not run: {interpreter_problem()}", stacklevel=1)
     reports = run_workers(_worker, 2)
     backend = [rep.pop(BACKEND_CASE, "not run") for rep in reports]
     bad = failures(reports)

@@ -31,6 +31,12 @@ def _pairs() -> list[tuple[str, str]]:
 PAIRS = _pairs()
 
 
+def _require(name: str, impl: str) -> None:
+    available, why = zoo.is_available(name, impl)
+    if not available:
+        pytest.skip(why)
+
+
 def _expect_rewrite(name: str, impl: str) -> bool:
     spec = zoo.get_family(name)
     capture = spec.capture_of(zoo.ExpertsImpl(impl))
@@ -39,6 +45,7 @@ def _expect_rewrite(name: str, impl: str) -> bool:
 
 @pytest.mark.parametrize("name,impl", PAIRS, ids=["%s-%s" % p for p in PAIRS])
 def test_family_fp32(name, impl):
+    _require(name, impl)
     torch._dynamo.utils.counters.clear()
     model, kwargs = zoo.build_model(name, experts_implementation=impl)
     report, diff = explain_and_compare(model, kwargs)
@@ -58,6 +65,7 @@ CORE_BF16 = [(n, i) for n, i in zoo.family_impl_pairs(core_only=True) if i in ("
 
 @pytest.mark.parametrize("name,impl", CORE_BF16, ids=["%s-%s" % p for p in CORE_BF16])
 def test_family_bf16(name, impl):
+    _require(name, impl)
     model, kwargs = zoo.build_model(name, experts_implementation=impl, dtype=torch.bfloat16)
     report, diff = explain_and_compare(model, kwargs)
     assert diff <= TOL[torch.bfloat16], (diff, str(report))

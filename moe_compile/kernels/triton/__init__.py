@@ -2,8 +2,34 @@
 from __future__ import annotations
 
 import os
+import re
 
 
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET`` set)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def interpreter_problem() -> str:
+    """Why Triton's CPU interpreter cannot run these kernels here, or ``""`` when it can.
+
+    Triton 3.6's interpreter turns a run-time loop bound (``range(0, K, BLOCK_K)``) into
+    ``int()`` of a one-element array, which NumPy 2.4 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"); Triton 3.7 fixed it. Compiled kernels on a GPU are unaffected.
+    Reads the installed versions only (imports neither triton nor numpy).
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        triton_v, numpy_v = version("triton"), version("numpy")
+    except PackageNotFoundError as exc:
+        return f"{exc.name} is not installed"
+
+    def major_minor(v: str) -> tuple[int, int]:
+        parts = [int(p) for p in re.findall(r"\d+", v)[:2]]
+        return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+    if major_minor(triton_v) < (3, 7) and major_minor(numpy_v) >= (2, 4):
+        return (f"Triton {triton_v}'s interpreter cannot run loops over run-time bounds with NumPy {numpy_v} "
+                "(fixed in Triton 3.7); install triton>=3.7 or numpy<2.4")
+    return ""
