@@ -52,8 +52,9 @@ def test_two_ranks(monkeypatch):
     # the gloo ranks hold CPU tensors, so their Triton kernels run under the interpreter even
     # where a GPU is present (the spawned workers read the flag before they import triton)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if interpreter_problem():
-        warnings.warn(f"the batched Triton experts case is not run: {interpreter_problem()}", stacklevel=1)
+    problem = interpreter_problem()
+    if problem:
+        warnings.warn(f"the batched Triton experts case is not run: {problem}", stacklevel=1)
     reports = run_workers(_worker, 2)
     backend = [rep.pop(BACKEND_CASE, "not run") for rep in reports]
     bad = failures(reports)

@@ -13,9 +13,10 @@ from moe_compile.kernels.triton import interpreter_problem  # noqa: E402
 from moe_compile.tools import selfcheck, selfcheck_cuda  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# without a GPU these checks run under Triton's interpreter, which some installs cannot run
-needs_interpreter = pytest.mark.skipif(DEVICE.type == "cpu" and bool(interpreter_problem()),
-                                       reason=interpreter_problem() or "-")
+INTERPRETER_PROBLEM = interpreter_problem()  # "" where Triton's interpreter can run the kernels
+# without a GPU these checks run under the interpreter
+needs_interpreter = pytest.mark.skipif(DEVICE.type == "cpu" and bool(INTERPRETER_PROBLEM),
+                                       reason=INTERPRETER_PROBLEM)
 
 
 @needs_interpreter
@@ -57,9 +58,32 @@ def test_interpret_flag_says_why_when_the_interpreter_cannot_run(monkeypatch, ca
     assert "selfcheck --interpret cannot run here: Triton 3.6.0's interpreter" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(bool(interpreter_problem()), reason=interpreter_problem() or "-")
+@pytest.mark.skipif(bool(INTERPRETER_PROBLEM), reason=INTERPRETER_PROBLEM)
 def test_interpret_flag_runs_the_checks_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "moe_compile", "selfcheck", "--device", "cuda", "--interpret"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "11/11 checks passed" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("triton_v,numpy_v,broken", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.5.0rc1", True), ("3.5.1", "2.4.0", True),
+    ("3.7.0", "2.4.6", False), ("3.9.0", "2.5.2", False), ("3.6.0", "2.3.5", False)])
+def test_interpreter_problem_reads_the_installed_versions(monkeypatch, triton_v, numpy_v, broken):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", {"triton": triton_v, "numpy": numpy_v}.__getitem__)
+    problem = interpreter_problem.__wrapped__()  # uncached
+    assert bool(problem) == broken
+    if broken:
+        assert f"Triton {triton_v}" in problem and f"NumPy {numpy_v}" in problem and "triton>=3.7" in problem
+
+
+def test_interpreter_problem_without_triton(monkeypatch):
+    import importlib.metadata
+
+    def version(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert interpreter_problem.__wrapped__() == "triton is not installed"

@@ -1,6 +1,7 @@
 """Triton kernels for the CUDA lowering (imported on first use; this package init imports no triton)."""
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -10,6 +11,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.lru_cache(maxsize=None)  # the installed versions do not change within a process
 def interpreter_problem() -> str:
     """Why Triton's CPU interpreter cannot run these kernels here, or ``""`` when it can.
 
