@@ -127,7 +127,10 @@ def hf_routed(block, shape: Shape):
     return routed
 
 
-def our_layer(block, shape: Shape):
+def our_layer(block, shape: Shape, router: str = "ours"):
+    """``router``: ``ours`` runs the router GEMM as the backend does on CUDA, through
+    ``moe_compile::router_logits`` (DeepSeek-V3's fp32 router over the bf16 input: fp32 logits;
+    the bf16 routers: bf16 logits); ``cublas``: ``F.linear`` as HF writes it."""
     import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
     from moe_compile.ops.fused_moe import fused_moe
 
@@ -136,12 +139,14 @@ def our_layer(block, shape: Shape):
     w13, w2 = expert_views(block, shape)
     gate = block.gate
     bias = getattr(gate, "e_score_correction_bias", None)
-    fp32_router = shape.name == "deepseek_v3"
     gate_w = gate.weight
+    fp32_router = gate_w.dtype == torch.float32
 
     def layer(x):
-        # DeepSeek-V3's fp32 router over the bf16 input: the op the backend puts in its place on CUDA
-        logits = router_logits(x, gate_w, None) if fp32_router else F.linear(x, gate_w)
+        if router == "ours":
+            logits = router_logits(x, gate_w, None, torch.float32 if fp32_router else x.dtype)
+        else:
+            logits = F.linear(x.float(), gate_w) if fp32_router else F.linear(x, gate_w)
         return fused_moe(x, logits, shape.num_experts, shape.top_k, w13, w2, e_score_correction_bias=bias,
                          **shape.routing)
     return layer

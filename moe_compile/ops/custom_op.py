@@ -115,19 +115,25 @@ def _fused_experts_fake(hidden_states, *args, **kwargs):
 
 
 @torch.library.custom_op("moe_compile::router_logits", mutates_args=())
-def router_logits_op(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """fp32 router logits ``F.linear(hidden_states.float(), weight.float(), bias)`` without an fp32
-    copy of ``hidden_states`` (CUDA kernels in ``kernels/triton/router.py``; elsewhere that formula)."""
+def router_logits_op(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Router logits ``F.linear(hidden_states.float(), weight.float(), bias)`` without an fp32 copy
+    of ``hidden_states``, in ``out_dtype`` (fp32 by default; bf16/fp16: that sum rounded once, what
+    a low-precision ``F.linear`` computes). CUDA kernels in ``kernels/triton/router.py``;
+    elsewhere that formula."""
+    out_dtype = torch.float32 if out_dtype is None else out_dtype
     if hidden_states.device.type == "cuda":
         from moe_compile.kernels.triton.router import router_logits
 
-        return router_logits(hidden_states, weight, bias)  # checks its inputs
-    from moe_compile.ops.routing import check_router_inputs, router_logits_reference
+        return router_logits(hidden_states, weight, bias, out_dtype)  # checks its inputs
+    from moe_compile.ops.routing import check_out_dtype, check_router_inputs, router_logits_reference
 
     check_router_inputs(hidden_states, weight, bias)
-    return router_logits_reference(hidden_states, weight, bias)
+    check_out_dtype(out_dtype)
+    return router_logits_reference(hidden_states, weight, bias).to(out_dtype)
 
 
 @router_logits_op.register_fake
-def _router_logits_fake(hidden_states, weight, bias):
-    return hidden_states.new_empty((hidden_states.shape[0], weight.shape[0]), dtype=torch.float32)
+def _router_logits_fake(hidden_states, weight, bias, out_dtype=None):
+    return hidden_states.new_empty((hidden_states.shape[0], weight.shape[0]),
+                                    dtype=torch.float32 if out_dtype is None else out_dtype)

@@ -175,6 +175,13 @@ def check_router_inputs(hidden_states, weight, bias) -> None:
         raise ValueError(f"router_logits: hidden_states, weight and bias must be on one device, but got {devices}.")
 
 
+def check_out_dtype(out_dtype) -> None:
+    """``router_logits``' ``out_dtype``: fp32, or bf16/fp16 (the fp32 sum rounded once)."""
+    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"router_logits: out_dtype must be torch.float32, torch.bfloat16 or torch.float16, "
+                        f"but got {out_dtype!r}.")
+
+
 def router_logits_reference(hidden_states: torch.Tensor, weight: torch.Tensor,
                             bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(hidden_states.float(), weight.float(), bias)``: fp32 router logits ``[T, E]``."""

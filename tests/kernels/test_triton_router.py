@@ -139,3 +139,75 @@ def test_more_than_gemv_tokens_take_the_gemm_kernel(monkeypatch):
     router.router_logits(x.bfloat16(), w, b)
     router.router_logits(x[:16].bfloat16(), w, b)  # the GEMV
     assert calls == [router.GEMV_MAX_TOKENS + 1]
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance between two bf16 tensors of the same signs, in ulps."""
+    assert a.dtype == b.dtype == torch.bfloat16
+    assert bool(((a.sign() == b.sign()) | (a == 0) | (b == 0)).all())
+    return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gemv_low_precision_logits_are_the_fp32_sum_rounded_once(tokens, out_dtype):
+    """bf16 routers (Mixtral, Qwen3: ``F.linear(x, w)`` in bf16): the same fp32 sum as the fp32
+    output, rounded to nearest even once (exact equality: same kernel, same order)."""
+    x, w, b = _inputs(tokens, 300, 24, torch.bfloat16, bias=tokens == 5, seed=tokens)
+    got = router.router_logits(x, w, b, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (tokens, 24)
+    assert torch.equal(got, router.router_logits(x, w, b).to(out_dtype))
+
+
+@pytest.mark.parametrize("tokens,experts", [(17, 24), (130, 40)])
+def test_gemm_kernel_low_precision_logits(tokens, experts):
+    """The tensor-core kernel with bf16 logits (one H range; ragged tiles): within one bf16 ulp of
+    the fp32 formula rounded once, and ``lowp_tiles``' tiles or any other give that result."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 200, generator=gen).to(DEV)
+    w = torch.randn(experts, 200, generator=gen).to(DEV)
+    b = torch.randn(experts, generator=gen).to(DEV)
+    ref = router.router_logits_reference(x, w, b).bfloat16()
+    for tiles in (None, (16, 16), (32, 64)):
+        got = router._gemm(x, w, b, torch.empty(tokens, experts, device=DEV, dtype=torch.bfloat16), tiles)
+        assert got.dtype == torch.bfloat16 and _ulps_bf16(got, ref) <= 1
+
+
+def test_low_precision_tiles_fill_the_gpu():
+    """One program per SM or more wherever the tokens allow it, tiles never below 16 x 16."""
+    for tokens in (17, 32, 256, 2048, 8192):
+        for experts in (8, 60, 128, 256):
+            block_t, block_e = router.lowp_tiles(tokens, experts, 132)
+            assert block_t >= 16 and block_e >= 16 and block_t <= 64 and block_e <= 128
+            programs = -(-tokens // block_t) * -(-experts // block_e)
+            assert programs >= 132 or (block_t, block_e) == (16, 16), (tokens, experts, block_t, block_e)
+
+
+def test_out_dtype_is_checked_and_kept_by_the_op():
+    import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
+
+    x, w, b = _inputs(6, 64, 8, torch.bfloat16, True)
+    for fn in (router.router_logits, torch.ops.moe_compile.router_logits):
+        with pytest.raises(TypeError, match="out_dtype.*torch.int32"):
+            fn(x, w, b, torch.int32)
+    got = torch.ops.moe_compile.router_logits(x, w, b, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, router.router_logits_reference(x, w, b).bfloat16(), rtol=0, atol=0)
+    assert router.router_logits(x.half(), w.half(), None, torch.float16).dtype == torch.float16  # the reference
+    torch.library.opcheck(torch.ops.moe_compile.router_logits.default, (x, w, b, torch.bfloat16))
+
+
+@gpu
+@pytest.mark.parametrize("tokens", [1, 16, 17, 256, 2048, 8192])
+@pytest.mark.parametrize("experts,hidden", [(8, 4096), (128, 2048)], ids=["mixtral", "qwen3"])
+def test_cuda_bf16_logits_beside_cublas(tokens, experts, hidden):
+    """At Mixtral's and Qwen3's bf16 router shapes: at most one bf16 ulp from cuBLAS's bf16
+    ``F.linear`` (both round one fp32 sum, in different orders), and within half a bf16 ulp of
+    the largest logit from fp64 (the rounding, plus fp32 summation error)."""
+    x, w, _ = _inputs(tokens, hidden, experts, torch.bfloat16, False, seed=tokens)
+    got = router.router_logits(x, w, None, torch.bfloat16)
+    cublas = torch.nn.functional.linear(x, w)
+    assert _ulps_bf16(got, cublas) <= 1
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    err = ((got.double() - exact).abs().max() / exact.abs().max()).item()
+    assert err <= 2 ** -9 * 1.001

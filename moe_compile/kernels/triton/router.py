@@ -34,16 +34,31 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton.gemm import num_programs
-from moe_compile.ops.routing import check_router_inputs, router_logits_reference
+from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
+from moe_compile.ops.routing import check_out_dtype, check_router_inputs, router_logits_reference
 
 GEMV_MAX_TOKENS = 16
 
 
 @triton.jit
+def _rounded(acc, out_ptr):
+    """``acc`` (fp32) for a store to ``out_ptr``: bf16 rounded to nearest even by integer arithmetic
+    (Triton's interpreter truncates its fp32 -> bf16 casts; the GPU rounds to nearest), other
+    dtypes as they are (the store casts to fp16 by rounding to nearest)."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, stride_ot,
-                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """Program ``e``: expert ``e``'s logits for every token; its weight row is read once, in as few
-    wide loads as registers allow (one for ``T <= 2`` and ``H <= 8192``)."""
+    wide loads as registers allow (one for ``T <= 2`` and ``H <= 8192``). The fp32 sum is rounded
+    once, to ``out``'s dtype, by the store."""
+    pdl_enter(PDL)
     e = tl.program_id(0)
     t = tl.arange(0, BLOCK_T)
     h = tl.arange(0, BLOCK_H)
@@ -57,16 +72,18 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, strid
         acc += tl.sum(x * w[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + e, acc, mask=tmask)
+    tl.store(out_ptr + t * stride_ot + e, _rounded(acc, out_ptr), mask=tmask)
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, h_per_program, stride_xt, stride_we, stride_ot,
                  stride_os, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """Tile (tokens ``program_id(0)``, experts ``program_id(1)``) over the H range
     ``program_id(2)`` (``h_per_program`` wide, a multiple of ``BLOCK_H``); that range's partial
-    sums go to ``out + program_id(2) * stride_os`` (the bias with range 0's)."""
+    sums go to ``out + program_id(2) * stride_os`` (the bias with range 0's), rounded to ``out``'s
+    dtype by the store (bf16 logits come from one range only)."""
+    pdl_enter(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     part_id = tl.program_id(2)
@@ -100,7 +117,7 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, h_per_program, stride_xt
         if part_id == 0:
             acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
     out_ptr += part_id.to(tl.int64) * stride_os
-    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], acc,
+    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], _rounded(acc, out_ptr),
              mask=tmask[:, None] & emask[None, :])
 
 
@@ -111,14 +128,17 @@ def kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and weight.stride(1) == 1)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x.float(), weight.float(), bias)`` -> fp32 ``[T, E]`` (see the module doc)."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``F.linear(x.float(), weight.float(), bias)`` -> ``[T, E]`` in ``out_dtype`` (see the module
+    doc): fp32, or bf16/fp16, the fp32 sum rounded once (what a bf16 ``F.linear`` computes)."""
     check_router_inputs(x, weight, bias)
+    check_out_dtype(out_dtype)
     num_tokens, hidden = x.shape
     if not kernels_take(x, weight, bias):
-        return router_logits_reference(x, weight, bias)
+        return router_logits_reference(x, weight, bias).to(out_dtype)
     num_experts = weight.shape[0]
-    out = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_tokens, num_experts, dtype=out_dtype, device=x.device)
     if num_tokens == 0:
         return out
     if num_tokens > GEMV_MAX_TOKENS:
@@ -127,8 +147,24 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
     _gemv_kernel[(num_experts,)](x, weight, bias if bias is not None else out, out, num_tokens, hidden,
                                  x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                 BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8)
+                                 BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8, **pdl_launch(x.device))
     return out
+
+
+def lowp_tiles(num_tokens: int, num_experts: int, num_sms: int) -> tuple[int, int]:
+    """``(block_t, block_e)`` of the tensor-core kernel for low-precision logits, which take the
+    whole H axis in one program (a split would need an fp32 pass before the rounding): the
+    largest tiles that still give every SM a program, at least 16 x 16."""
+    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
+    block_e = min(128, max(16, triton.next_power_of_2(num_experts)))
+    while triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e) < num_sms:
+        if block_e >= block_t and block_e > 16:
+            block_e //= 2
+        elif block_t > 16:
+            block_t //= 2
+        else:
+            break
+    return block_t, block_e
 
 
 def h_splits(num_tokens: int, num_experts: int, hidden: int, num_sms: int) -> tuple[int, int, int, int]:
@@ -144,14 +180,20 @@ def h_splits(num_tokens: int, num_experts: int, hidden: int, num_sms: int) -> tu
     return block_t, block_e, triton.cdiv(hidden, h_per_program), h_per_program
 
 
-def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+          tiles: tuple[int, int] | None = None) -> torch.Tensor:
     """The tensor-core kernel (fp32 inputs, which only the interpreter tests use, take fp32 FMA).
-    With the H axis split, each range's partial sums land in ``[splits, T, E]`` and are added
-    in a fixed order (``sum`` over the first dim): the same bits on every call."""
+    fp32 ``out``: with the H axis split, each range's partial sums land in ``[splits, T, E]`` and
+    are added in a fixed order (``sum`` over the first dim): the same bits on every call.
+    Low-precision ``out``: one range, ``tiles`` (``(block_t, block_e)``) or ``lowp_tiles``'."""
     num_tokens, hidden = x.shape
     num_experts = weight.shape[0]
     split = x.dtype == torch.bfloat16 and weight.dtype == torch.float32
-    block_t, block_e, splits, h_per = h_splits(num_tokens, num_experts, hidden, num_programs(x.device))
+    if out.dtype == torch.float32:
+        block_t, block_e, splits, h_per = h_splits(num_tokens, num_experts, hidden, num_programs(x.device))
+    else:
+        block_t, block_e = tiles or lowp_tiles(num_tokens, num_experts, num_programs(x.device))
+        splits, h_per = 1, triton.cdiv(hidden, 64) * 64
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
     dest = out if splits == 1 else torch.empty(splits, num_tokens, num_experts, dtype=torch.float32,
                                                device=x.device)
@@ -159,10 +201,11 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out:
                        x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
                        SPLIT=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
                        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
-                       num_warps=4 if block_t <= 64 else 8, num_stages=3)
+                       num_warps=4 if block_t <= 64 else 8, num_stages=3, **pdl_launch(x.device))
     if splits > 1:
         torch.sum(dest, 0, out=out)
     return out
 
 
-__all__ = ["GEMV_MAX_TOKENS", "h_splits", "kernels_take", "router_logits", "router_logits_reference"]
+__all__ = ["GEMV_MAX_TOKENS", "h_splits", "kernels_take", "lowp_tiles",
+           "router_logits", "router_logits_reference"]
