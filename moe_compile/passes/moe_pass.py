@@ -106,11 +106,14 @@ class MoEFusionPass(_Base):
             return
         with unset_fake_temporarily():
             fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(),
-                                  fp32_router_on_cuda=self._lowers_to_cuda(ctx, anchor))
+                                  router_on_cuda=self._lowers_to_cuda(ctx, anchor))
         self.rewritten += 1
         router = match.router_kind()
         if fused.args[1].target is torch.ops.moe_compile.router_logits.default:
-            router += " (fp32 router GEMM -> moe_compile::router_logits on the bf16 input)"
+            if len(fused.args[1].args) > 3:
+                router += " (bf16 router GEMM -> moe_compile::router_logits: the GEMV kernel at <= 16 tokens)"
+            else:
+                router += " (fp32 router GEMM -> moe_compile::router_logits on the bf16 input)"
         record(BlockDecision(
             path=match.path, router=router, experts=match.experts.form,
             num_experts=anchor.num_experts, top_k=anchor.top_k, activation=match.experts.describe(),

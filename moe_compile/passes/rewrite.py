@@ -105,13 +105,24 @@ def upcast_source(node: fx.Node) -> fx.Node | None:
     return src if val(src).dtype in (torch.bfloat16, torch.float16) else None
 
 
-def _fp32_router(graph: fx.Graph, anchor, x_low: fx.Node | None) -> fx.Node | None:
-    """An fp32 router GEMM over an upcast bf16 input (``F.linear(x.float(), w.float())``) as one
-    ``moe_compile::router_logits`` node on the bf16 input and the stored ``[E, H]`` weight, so the
-    CUDA kernels skip the fp32 copy of the activations and the CUDA-core fp32 GEMM. ``None`` (the
-    graph's own GEMM stays) for any other form."""
+def _router_op(graph: fx.Graph, anchor, x_low: fx.Node | None) -> fx.Node | None:
+    """The router GEMM as one ``moe_compile::router_logits`` node on the stored ``[E, H]`` weight:
+
+    - fp32 over an upcast bf16 input (``F.linear(x.float(), w.float())``, DeepSeek-V3): on the bf16
+      input, so the CUDA kernels skip the fp32 copy of the activations and the CUDA-core fp32 GEMM;
+    - bf16 (``F.linear(x, w)``, Mixtral, Qwen3): bf16 logits, so decode-sized batches take the
+      GEMV kernel (PDL, no cuBLAS launch) and larger ones cuBLAS, as before.
+
+    ``None`` (the graph's own GEMM stays) for any other form."""
     logits = anchor.logits
-    if x_low is None or val(x_low).dtype != torch.bfloat16 or val(logits).dtype != torch.float32:
+    out_dtype = val(logits).dtype
+    if out_dtype == torch.float32:
+        if x_low is None or val(x_low).dtype != torch.bfloat16:
+            return None
+        source = x_low
+    elif out_dtype == torch.bfloat16 and val(anchor.x).dtype == torch.bfloat16:
+        source = anchor.x
+    else:
         return None
     if logits.target is aten.mm.default:
         bias, a, b = None, logits.args[0], logits.args[1]
@@ -120,22 +131,24 @@ def _fp32_router(graph: fx.Graph, anchor, x_low: fx.Node | None) -> fx.Node | No
     else:
         return _router_stays("the router GEMM is %s, not mm/addmm" % logits.target)
     weight = anchor.router_weight
-    if a is not anchor.x or weight is None or val(x_low).dim() != 2 or _skip_casts(_untranspose(b)) is not weight:
-        return _router_stays("the GEMM is not x.float() @ w.t() over a 2-D input")
+    if a is not anchor.x or weight is None or val(source).dim() != 2 or _skip_casts(_untranspose(b)) is not weight:
+        return _router_stays("the GEMM is not x @ w.t() over a 2-D input")
     wv = val(weight)
-    if tuple(wv.shape) != (val(logits).shape[1], val(x_low).shape[1]) or wv.dtype not in (torch.bfloat16,
-                                                                                           torch.float32):
-        return _router_stays("the weight is stored %s %s, not [E, H] bf16/fp32" % (tuple(wv.shape), wv.dtype))
+    allowed = (torch.bfloat16, torch.float32) if out_dtype == torch.float32 else (torch.bfloat16,)
+    if tuple(wv.shape) != (val(logits).shape[1], val(source).shape[1]) or wv.dtype not in allowed:
+        return _router_stays("the weight is stored %s %s, not [E, H] %s" % (tuple(wv.shape), wv.dtype,
+                                                                           "/".join(map(str, allowed))))
     if bias is not None and tuple(val(bias).shape) != (wv.shape[0],):
         return _router_stays("the GEMM's bias is not [E]")
+    args = (source, weight, bias) if out_dtype == torch.float32 else (source, weight, bias, out_dtype)
     with graph.inserting_after(logits):
-        node = _call(graph, torch.ops.moe_compile.router_logits.default, (x_low, weight, bias), logits)
+        node = _call(graph, torch.ops.moe_compile.router_logits.default, args, logits)
     logits.replace_all_uses_with(node)
     return node
 
 
 def _router_stays(reason: str) -> None:
-    log.debug("moe_compile: the fp32 router GEMM stays as it is: %s", reason)
+    log.debug("moe_compile: the router GEMM stays as it is: %s", reason)
     return None
 
 
@@ -159,9 +172,9 @@ def _untranspose(node: fx.Node) -> fx.Node | None:
 
 
 def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict,
-                  groups: dict | None = None, fp32_router_on_cuda: bool = False) -> fx.Node:
-    """``fp32_router_on_cuda``: the op will run the CUDA lowering, so an fp32 router over an
-    upcast bf16 input becomes ``moe_compile::router_logits`` (see ``_fp32_router``)."""
+                  groups: dict | None = None, router_on_cuda: bool = False) -> fx.Node:
+    """``router_on_cuda``: the op will run the CUDA lowering, so the router GEMM (fp32 over an
+    upcast bf16 input, or bf16) becomes ``moe_compile::router_logits`` (see ``_router_op``)."""
     graph = gm.graph
     out = match.output
     anchor = match.anchor
@@ -198,8 +211,8 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
             else:
                 x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
         logits = anchor.logits
-        if fp32_router_on_cuda:
-            logits = _fp32_router(graph, anchor, x_low) or logits
+        if router_on_cuda:
+            logits = _router_op(graph, anchor, x_low) or logits
         fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
                       (x, logits, w13, w2, b13, b2, bias), out, kwargs)
         result = fused

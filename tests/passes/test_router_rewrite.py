@@ -1,6 +1,7 @@
-"""An fp32 router over an upcast bf16 input (DeepSeek-V3's ``F.linear(x.float(), w.float())``)
-becomes ``moe_compile::router_logits`` on the bf16 input when the op lowers to CUDA, and the
-experts take the bf16 input itself instead of a round trip through fp32.
+"""When the op lowers to CUDA the router GEMM becomes ``moe_compile::router_logits``: an fp32
+router over an upcast bf16 input (DeepSeek-V3's ``F.linear(x.float(), w.float())``) on the bf16
+input, the experts then taking the bf16 input itself instead of a round trip through fp32; a bf16
+router (Mixtral, Qwen3) with bf16 logits (the GEMV kernel at decode sizes).
 
 Without a GPU the rewrite is forced on (the pass's CUDA check patched) while the op runs its CPU
 lowering, so the rewritten graph's numbers are checked against eager here; the CUDA kernels behind
@@ -50,13 +51,29 @@ def test_router_stays_a_plain_gemm_on_other_lowerings():
     assert diff <= TOL[torch.bfloat16]
 
 
-def test_routers_already_in_the_input_dtype_are_left_alone(monkeypatch):
-    """Qwen3-MoE's router runs in the model's dtype: there is no fp32 GEMM to replace."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_bf16_routers_become_the_router_op_with_bf16_logits(family, monkeypatch):
+    """Qwen3-MoE's and Mixtral's routers run in the model's dtype: the GEMM becomes the router op
+    asking for bf16 logits, on the block input and the stored weight."""
     monkeypatch.setattr(MoEFusionPass, "_lowers_to_cuda", lambda self, ctx, anchor: True)
-    model, kwargs = zoo.build_model("qwen3_moe", num_layers=1, dtype=torch.bfloat16)
+    model, kwargs = zoo.build_model(family, num_layers=1, dtype=torch.bfloat16)
+    report, diff = explain_and_compare(model, kwargs)
+    moe = [b for b in report.blocks if b.rewritten]
+    assert moe and all("bf16 router GEMM" in b.router for b in moe), str(report)
+    after = "\n".join(report.graphs_after)
+    calls = [line for line in after.splitlines() if ROUTER_OP + ".default(" in line]
+    assert len(calls) == len(moe) and all(", None, torch.bfloat16)" in line for line in calls), after
+    assert diff <= TOL[torch.bfloat16], (diff, str(report))
+
+
+def test_fp16_routers_are_left_alone(monkeypatch):
+    """The kernels take bf16 activations only; an fp16 model keeps its own GEMM (the op would run
+    the fp32 reference there)."""
+    monkeypatch.setattr(MoEFusionPass, "_lowers_to_cuda", lambda self, ctx, anchor: True)
+    model, kwargs = zoo.build_model("qwen3_moe", num_layers=1, dtype=torch.float16)
     report, diff = explain_and_compare(model, kwargs)
     assert report.rewritten and ROUTER_OP not in "\n".join(report.graphs_after)
-    assert diff <= TOL[torch.bfloat16]
+    assert diff <= TOL[torch.bfloat16]  # fp16 is the finer of the two
 
 
 @pytest.mark.parametrize("router_bias", [False, True], ids=["mm", "addmm-bias"])

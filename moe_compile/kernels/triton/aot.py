@@ -4,7 +4,8 @@
 
 Three sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
 
-- the fp32 router's tensor-core GEMM (``ROUTER_VARIANTS``: split fp32 weights, bf16 weights);
+- the router kernels (``ROUTER_VARIANTS``: the tensor-core GEMM on split fp32 weights and on bf16
+  weights, and both kernels writing rounded bf16 logits under PDL);
 - the expert GEMM's hand-picked bf16 variants (``VARIANTS``: sorted / pair / batched rows,
   gather, bias, expert map, TMA descriptors, the persistent kernel with and without a flattened
   tile loop);
@@ -49,11 +50,14 @@ VARIANTS = {
     "persistent-flat-gemm2-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }
-# the fp32 router's tensor-core GEMM (kernels/triton/router.py): fp32 weights split into bf16 parts
-# or bf16 weights as they are, with and without bias (selfcheck runs it only on a GPU)
+# the router kernels (kernels/triton/router.py): the tensor-core GEMM on fp32 weights split into bf16
+# parts or bf16 weights as they are, with and without bias, and both kernels writing bf16 logits
+# (rounded by integer arithmetic) under PDL (selfcheck runs them only on a GPU)
 ROUTER_VARIANTS = {
     "router-gemm-split-fp32-weights": dict(w="*fp32", SPLIT=True, HAS_BIAS=True),
     "router-gemm-bf16-weights": dict(w="*bf16", SPLIT=False, HAS_BIAS=False),
+    "router-gemm-bf16-logits-pdl": dict(w="*bf16", SPLIT=False, HAS_BIAS=True, OUT_BF16=True, PDL=True),
+    "router-gemv-bf16-logits-pdl": dict(kernel="gemv", w="*bf16", HAS_BIAS=False, OUT_BF16=True, PDL=True),
 }
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
@@ -191,12 +195,16 @@ def compile_router_variant(choice: dict, arch: int) -> int:
 
     from moe_compile.kernels.triton import router
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": choice["w"], "b_ptr": "*fp32", "out_ptr": "*fp32"}
-    constexprs = dict(SPLIT=choice["SPLIT"], HAS_BIAS=choice["HAS_BIAS"], IEEE=False, BLOCK_T=128, BLOCK_E=128,
-                      BLOCK_H=64)
-    signature = {p.name: "constexpr" if p.name in constexprs else pointers.get(p.name, "i32")
-                 for p in router._gemm_kernel.params}
-    compiled = triton.compile(ASTSource(fn=router._gemm_kernel, signature=signature, constexprs=constexprs),
+    out_bf16 = choice.get("OUT_BF16", False)
+    pointers = {"x_ptr": "*bf16", "w_ptr": choice["w"], "b_ptr": "*fp32", "out_ptr": "*bf16" if out_bf16 else "*fp32"}
+    common = dict(HAS_BIAS=choice["HAS_BIAS"], OUT_BF16=out_bf16, PDL=choice.get("PDL", False))
+    if choice.get("kernel") == "gemv":
+        fn, constexprs = router._gemv_kernel, dict(common, BLOCK_T=2, BLOCK_H=4096)
+    else:
+        fn = router._gemm_kernel
+        constexprs = dict(common, SPLIT=choice["SPLIT"], IEEE=False, BLOCK_T=128, BLOCK_E=128, BLOCK_H=64)
+    signature = {p.name: "constexpr" if p.name in constexprs else pointers.get(p.name, "i32") for p in fn.params}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 8, "num_stages": 3})
     return len(compiled.asm["cubin"])
 

@@ -1,4 +1,4 @@
-"""Router logits in fp32 from low-precision activations, without an fp32 copy of the activations.
+"""Router logits from bf16 activations: fp32 without an fp32 copy of the activations, or bf16.
 
 DeepSeek-V3-style routers compute ``F.linear(x.float(), w.float())``: a cast pass over the whole
 ``[T, H]`` input and an fp32 GEMM on CUDA cores (at ``T = 8192, H = 7168, E = 256`` on an H200:
@@ -24,12 +24,19 @@ weights) the GEMM took 0.86x the time of the cast + cuBLAS fp32 GEMM at T = 17, 
 0.36x at 2048 and 0.34x at 8192 (bf16 weights: 0.11-0.33x), with a smaller error against fp64
 than cuBLAS at every T measured (1.4-6.1e-7 of the largest logit vs 2.8e-7-2.6e-6).
 
-``router_logits_reference`` is the plain-torch meaning. Inputs other than bf16 activations (or
-shapes the kernels do not take) go to the reference.
+bf16 routers (Mixtral, Qwen3: ``F.linear(x, w)`` in bf16) ask for ``out_dtype=torch.bfloat16``:
+the same fp32 sum, rounded once to nearest even in the kernel's store. Up to 16 tokens the GEMV
+kernel, launched with PDL, replaces cuBLAS's launch (one token on the H200: 1.7-2.7 us against
+5.1-5.6, and 3.9-4.1 us off the whole layer); above that cuBLAS's bf16 GEMM is faster than one
+tensor-core program per tile over the whole H axis, so ``router_logits`` calls it.
+
+``router_logits_reference`` is the plain-torch meaning (rounded to ``out_dtype``). Inputs other
+than bf16 activations (or shapes the kernels do not take) go to the reference.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -41,20 +48,22 @@ GEMV_MAX_TOKENS = 16
 
 
 @triton.jit
-def _rounded(acc, out_ptr):
-    """``acc`` (fp32) for a store to ``out_ptr``: bf16 rounded to nearest even by integer arithmetic
-    (Triton's interpreter truncates its fp32 -> bf16 casts; the GPU rounds to nearest), other
-    dtypes as they are (the store casts to fp16 by rounding to nearest)."""
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+def _store_rounded(ptrs, acc, mask, OUT_BF16: tl.constexpr):
+    """Store fp32 ``acc``; bf16 outputs are rounded to nearest even by integer arithmetic (Triton's
+    interpreter truncates its fp32 -> bf16 casts, the GPU rounds to nearest), fp16 by the
+    store's own cast (to nearest on both)."""
+    if OUT_BF16:
         bits = acc.to(tl.uint32, bitcast=True)
         bits += 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return acc
+        tl.store(ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptrs, acc, mask=mask)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, stride_ot,
-                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Program ``e``: expert ``e``'s logits for every token; its weight row is read once, in as few
     wide loads as registers allow (one for ``T <= 2`` and ``H <= 8192``). The fp32 sum is rounded
     once, to ``out``'s dtype, by the store."""
@@ -72,13 +81,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, H, stride_xt, stride_we, strid
         acc += tl.sum(x * w[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + e, _rounded(acc, out_ptr), mask=tmask)
+    _store_rounded(out_ptr + t * stride_ot + e, acc, tmask, OUT_BF16)
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, h_per_program, stride_xt, stride_we, stride_ot,
                  stride_os, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Tile (tokens ``program_id(0)``, experts ``program_id(1)``) over the H range
     ``program_id(2)`` (``h_per_program`` wide, a multiple of ``BLOCK_H``); that range's partial
     sums go to ``out + program_id(2) * stride_os`` (the bias with range 0's), rounded to ``out``'s
@@ -117,8 +127,8 @@ def _gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, T, E, H, h_per_program, stride_xt
         if part_id == 0:
             acc += tl.load(b_ptr + e, mask=emask, other=0.0).to(tl.float32)[None, :]
     out_ptr += part_id.to(tl.int64) * stride_os
-    tl.store(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], _rounded(acc, out_ptr),
-             mask=tmask[:, None] & emask[None, :])
+    _store_rounded(out_ptr + t[:, None].to(tl.int64) * stride_ot + e[None, :], acc,
+                   tmask[:, None] & emask[None, :], OUT_BF16)
 
 
 def kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -131,12 +141,20 @@ def kernels_take(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``F.linear(x.float(), weight.float(), bias)`` -> ``[T, E]`` in ``out_dtype`` (see the module
-    doc): fp32, or bf16/fp16, the fp32 sum rounded once (what a bf16 ``F.linear`` computes)."""
+    doc): fp32, or bf16/fp16, the fp32 sum rounded once (what a bf16 ``F.linear`` computes).
+
+    bf16 logits from bf16 weights (Mixtral's and Qwen3's routers): the GEMV kernel up to
+    ``GEMV_MAX_TOKENS`` tokens, cuBLAS's own bf16 ``F.linear`` above (on the H200 the GEMV took
+    1.7-2.7 us where cuBLAS took 5.1-5.6 at one token, and the one-range tensor-core kernel
+    6.7-30 us where cuBLAS took 5.4-18.9 at 32-8192 tokens: ``benchmarks/probe_router_bf16.py``)."""
     check_router_inputs(x, weight, bias)
     check_out_dtype(out_dtype)
     num_tokens, hidden = x.shape
     if not kernels_take(x, weight, bias):
         return router_logits_reference(x, weight, bias).to(out_dtype)
+    if num_tokens > GEMV_MAX_TOKENS and out_dtype == x.dtype == weight.dtype and (bias is None
+                                                                                  or bias.dtype == x.dtype):
+        return F.linear(x, weight, bias)
     num_experts = weight.shape[0]
     out = torch.empty(num_tokens, num_experts, dtype=out_dtype, device=x.device)
     if num_tokens == 0:
@@ -147,7 +165,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
     _gemv_kernel[(num_experts,)](x, weight, bias if bias is not None else out, out, num_tokens, hidden,
                                  x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                 BLOCK_T=block_t, BLOCK_H=block_h, num_warps=8, **pdl_launch(x.device))
+                                 BLOCK_T=block_t, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=8,
+                                 **pdl_launch(x.device))
     return out
 
 
@@ -200,7 +219,7 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out:
     _gemm_kernel[grid](x, weight, bias if bias is not None else out, dest, num_tokens, num_experts, hidden, h_per,
                        x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
                        SPLIT=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64,
+                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64, OUT_BF16=out.dtype == torch.bfloat16,
                        num_warps=4 if block_t <= 64 else 8, num_stages=3, **pdl_launch(x.device))
     if splits > 1:
         torch.sum(dest, 0, out=out)
