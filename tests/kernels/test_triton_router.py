@@ -213,7 +213,7 @@ def test_bf16_logits_above_the_gemv_are_cublas_own():
 def test_cuda_bf16_logits_beside_cublas(tokens, experts, hidden):
     """At Mixtral's and Qwen3's bf16 router shapes, the GEMV (<= 16 tokens) and the tensor-core
     kernel with bf16 output (any count): one rounding of the fp32 sum away from cuBLAS's bf16
-    ``F.linear`` and within half a bf16 ulp of the largest logit from fp64."""
+    ``F.linear``, and from fp64 within half a bf16 ulp of the largest logit (2^-8 of it at most)."""
     x, w, _ = _inputs(tokens, hidden, experts, torch.bfloat16, False, seed=tokens)
     cublas = torch.nn.functional.linear(x, w)
     exact = torch.nn.functional.linear(x.double(), w.double())
@@ -223,4 +223,4 @@ def test_cuda_bf16_logits_beside_cublas(tokens, experts, hidden):
     for got in outs:
         assert _within_one_rounding(got, cublas, exact)
         err = ((got.double() - exact).abs().max() / exact.abs().max()).item()
-        assert err <= 2 ** -9 * 1.001
+        assert err <= 2 ** -8 * 1.001
