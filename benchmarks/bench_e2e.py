@@ -7,7 +7,7 @@ Each model is its HF ``*ForCausalLM`` with the layer dimensions of the real mode
 experts, top-k, expert intermediate size; ``--layers`` decoder layers, every one an MoE layer),
 random weights, bf16 on CUDA, ``experts_implementation="grouped_mm"``. Sizes: ``prefill`` is one
 sequence of 2048 tokens, ``decode`` is 32 sequences of one token (a forward without KV cache:
-M = 32 tokens through each MoE layer). For each mode: the compile time (first call, which
+M = 32 tokens through each MoE layer), ``decode1`` (not run by default) one sequence of one token. For each mode: the compile time (first call, which
 compiles) and the median time of a steady-state forward (CUDA events; no CUDA graphs in any mode).
 The moe_npu rows also give the number of MoE blocks the pass rewrote and the logits' error
 against eager. Prints a table; writes ``e2e.json`` under ``--out``. ``--tiny`` shrinks every
@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
 
-SIZES = {"prefill": (1, 2048), "decode": (32, 1)}
+SIZES = {"prefill": (1, 2048), "decode": (32, 1), "decode1": (1, 1)}
+DEFAULT_SIZES = ("prefill", "decode")
 DIMS = {  # hidden, moe intermediate, experts, top-k
     "mixtral": (4096, 14336, 8, 2),
     "qwen3": (2048, 768, 128, 8),
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=list(DIMS), choices=list(DIMS))
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
     parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "moe_npu"],
                         choices=["eager", "inductor", "moe_npu", "inductor-cg", "moe_npu-cg"],
                         help="-cg: torch.compile(mode='reduce-overhead'), i.e. CUDA graphs")

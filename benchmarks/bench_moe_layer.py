@@ -5,10 +5,11 @@
 
 For each shape an HF block is built from a config with the model's dimensions (bf16, random
 weights, ``experts_implementation="grouped_mm"``). *Ours* is the same layer through our op: the
-router linear (as HF computes it) + ``moe_compile.fused_moe`` on transposed views of the block's
-own weights (no copies), captured in a CUDA graph and replayed. DeepSeek-V3's router is fp32 over the
-bf16 input (``F.linear(x.float(), w.float())`` in HF); ours runs it as the backend does on CUDA,
-through ``moe_compile::router_logits`` (same fp32 result, no fp32 copy of the input). *HF* is the block under
+router GEMM as the backend runs it on CUDA (``moe_compile::router_logits``) + ``moe_compile.fused_moe``
+on transposed views of the block's own weights (no copies), captured in a CUDA graph and replayed.
+DeepSeek-V3's router is fp32 over the bf16 input (``F.linear(x.float(), w.float())`` in HF): the op
+gives the same fp32 result without an fp32 copy of the input. Mixtral's and Qwen3's are bf16: the
+op's GEMV kernel up to 16 tokens, cuBLAS's ``F.linear`` above. *HF* is the block under
 ``torch.compile`` (inductor, dynamic shapes, no graphs), timed with CUDA events. DeepSeek-V3's
 block also runs a shared-expert MLP; both sides time the routed part only (gate + experts).
 
