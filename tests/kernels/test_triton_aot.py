@@ -19,7 +19,7 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from moe_compile.kernels.triton import interpreter_problem  # noqa: E402
-from moe_compile.kernels.triton.aot import ROUTER_VARIANTS, VARIANTS  # noqa: E402
+from moe_compile.kernels.triton.aot import GEMV_VARIANTS, ROUTER_VARIANTS, VARIANTS  # noqa: E402
 
 
 def _ptxas_available() -> bool:
@@ -40,7 +40,7 @@ def compiled():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS) + list(ROUTER_VARIANTS))
+@pytest.mark.parametrize("variant", list(VARIANTS) + list(ROUTER_VARIANTS) + list(GEMV_VARIANTS))
 def test_moe_gemm_kernel_compiles_for_sm90(compiled, variant):
     size = compiled[variant]
     assert isinstance(size, int) and size > 10_000, size

@@ -28,7 +28,7 @@ from moe_compile.ops.config import Activation, ExpertsConfig  # noqa: E402
 DEV = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 TINY = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
-PATHS = [ExpertsPath.PAIRS, ExpertsPath.SORTED] + ([ExpertsPath.GROUPED_MM] if CUDA else [])
+PATHS = [ExpertsPath.PAIRS, ExpertsPath.GEMV, ExpertsPath.SORTED] + ([ExpertsPath.GROUPED_MM] if CUDA else [])
 
 
 def _weights(num_experts, hidden, inter, act, *, hf_layout, bias, gen):

@@ -2,10 +2,12 @@
 
     python -m moe_compile.kernels.triton.aot [--arch 90]
 
-Three sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
+Four sets, each compiled for ``sm_{arch}`` with the ptxas that ships in the triton wheel:
 
 - the router kernels (``ROUTER_VARIANTS``: the tensor-core GEMM on split fp32 weights and on bf16
   weights, and both kernels writing rounded bf16 logits under PDL);
+- the decode GEMV experts (``GEMV_VARIANTS``: the up kernel with SwiGLU, map and bias, the down
+  kernel with the combine, both under PDL);
 - the expert GEMM's hand-picked bf16 variants (``VARIANTS``: sorted / pair / batched rows,
   gather, bias, expert map, TMA descriptors, the persistent kernel with and without a flattened
   tile loop);
@@ -58,6 +60,12 @@ ROUTER_VARIANTS = {
     "router-gemm-bf16-weights": dict(w="*bf16", SPLIT=False, HAS_BIAS=False),
     "router-gemm-bf16-logits-pdl": dict(w="*bf16", SPLIT=False, HAS_BIAS=True, OUT_BF16=True, PDL=True),
     "router-gemv-bf16-logits-pdl": dict(kernel="gemv", w="*bf16", HAS_BIAS=False, OUT_BF16=True, PDL=True),
+}
+# the decode GEMV experts (kernels/triton/gemv.py; no tuned plan uses them on the H200, so neither
+# the selfcheck nor a recorded launch covers them)
+GEMV_VARIANTS = {
+    "gemv-up-swiglu-map-bias-pdl": dict(kernel="up", HAS_MAP=True, HAS_BIAS=True, GATED=True, ACT=0),
+    "gemv-down-combine-map-pdl": dict(kernel="down", HAS_MAP=True, HAS_BIAS=False, WEIGHTED=True),
 }
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
@@ -209,6 +217,24 @@ def compile_router_variant(choice: dict, arch: int) -> int:
     return len(compiled.asm["cubin"])
 
 
+def compile_gemv_variant(choice: dict, arch: int) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from moe_compile.kernels.triton import gemv
+
+    fn = gemv._gemv_up_kernel if choice["kernel"] == "up" else gemv._gemv_down_kernel
+    constexprs = {k: v for k, v in choice.items() if k != "kernel"}
+    constexprs.update(TOP_K=8, BLOCK_N=16, BLOCK_K=256, PDL=True)
+    pointers = {"ids_ptr": "*i32", "map_ptr": "*i32", "tw_ptr": "*fp32", "alpha": "fp32", "limit": "fp32"}
+    signature = {p.name: "constexpr" if p.name in constexprs else
+                 pointers.get(p.name, "*bf16" if p.name.endswith("_ptr") else "i32") for p in fn.params}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+    return len(compiled.asm["cubin"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90)
@@ -233,6 +259,11 @@ def main(argv=None) -> int:
     for name, choice in ROUTER_VARIANTS.items():
         try:
             out[name] = compile_router_variant(choice, args.arch)
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            out[name] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
+    for name, choice in GEMV_VARIANTS.items():
+        try:
+            out[name] = compile_gemv_variant(choice, args.arch)
         except Exception as exc:  # noqa: BLE001 - reported per variant
             out[name] = f"error: {type(exc).__name__}: {str(exc)[:500]}"
     root = str(Path(__file__).resolve().parents[3])

@@ -8,6 +8,9 @@ stages). The entry whose ``M`` is nearest on a log scale is used.
 Paths:
 
 - ``pairs``: one M-block per (token, expert) pair, no sorting kernels (decode with many experts);
+- ``gemv``: the same batches on CUDA cores (``gemv.py``): one kernel per GEMM, the combine fused
+  into the second; ``gemm1``/``gemm2`` give ``block_n``, ``block_k`` and ``num_warps`` (slower than
+  ``pairs`` on the H200, so no tuned file uses it);
 - ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused
   (``pre_gather``: the token rows are gathered into expert order by the alignment pass first);
 - ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on
@@ -33,6 +36,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 class ExpertsPath(enum.Enum):
     PAIRS = "pairs"
+    GEMV = "gemv"
     SORTED = "sorted"
     GROUPED_MM = "grouped_mm"
 
@@ -122,7 +126,7 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
     plan = table[best]
-    if plan.path is ExpertsPath.PAIRS and not pairs_eligible(num_tokens * top_k, num_local):
+    if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
         return default_plan(num_tokens, top_k, num_local, hidden, inter)
     return plan

@@ -6,6 +6,7 @@
 path            kernels                                                         when
 ==============  ==============================================================  ===============
 ``pairs``       gemm1(act) -> gemm2 -> combine                                  decode, many E
+``gemv``        gemv1(act) -> gemv2+combine (CUDA cores, ``gemv.py``)              decode, many E
 ``sorted``      count -> scatter(+gather) -> gemm1(act) -> gemm2 -> combine     Triton GEMMs
 ``grouped_mm``  count -> scatter+gather -> _grouped_mm -> act -> _grouped_mm    CUTLASS GEMMs
                 -> combine
@@ -24,7 +25,7 @@ from moe_compile.kernels.triton import interpreting
 from moe_compile.kernels.triton.align import align
 from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
-from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan
+from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan, default_plan
 from moe_compile.kernels.triton.gemm import moe_gemm
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
 from moe_compile.modular.experts import BatchedExperts
@@ -99,6 +100,16 @@ def fused_experts(
     plan = plan or plan_for(x, top_k, weights)
     pairs = num_tokens * top_k
     common = dict(topk_ids=ids, top_k=top_k, expert_map=expert_map)
+    if plan.path is ExpertsPath.GEMV:
+        from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported
+
+        if gemv_supported(weights.w13, weights.w2)[0]:
+            blocks = [(c.block_n, c.block_k, c.num_warps) for c in (plan.gemm1, plan.gemm2)]
+            return gemv_experts(x, w_tk, ids, weights.w13, weights.w2, config, out, w13_bias=weights.w13_bias,
+                                w2_bias=weights.w2_bias, expert_map=expert_map, weighted=weighted,
+                                up=blocks[0], down=blocks[1])
+        # weights whose reduction axis is strided: the GEMM paths read them through their strides
+        plan = default_plan(num_tokens, top_k, num_local, hidden, inter)
     if plan.path is ExpertsPath.GROUPED_MM:
         al = align(ids, num_local, expert_map, x=x)
         h = torch._grouped_mm(al.x_sorted, weights.w13, offs=al.offsets)
