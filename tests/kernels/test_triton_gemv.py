@@ -65,6 +65,18 @@ def test_weights_with_a_strided_reduction_axis_take_the_gemm_paths():
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig()))
 
 
+def test_bad_inputs_raise_naming_them():
+    gen = torch.Generator().manual_seed(6)
+    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=True, bias=False, gen=gen)
+    x = torch.randn(2, 32, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(2, 4, 2, gen)
+    args = (weights.w13, weights.w2, ExpertsConfig())
+    with pytest.raises(TypeError, match="topk_weights must be contiguous fp32"):
+        gemv_experts(x, topk_w.double(), topk_ids, *args, torch.empty_like(x))
+    with pytest.raises(ValueError, match="out must be"):
+        gemv_experts(x, topk_w, topk_ids, *args, torch.empty(2, 33, device=DEV, dtype=DTYPE))
+
+
 @gpu
 @pytest.mark.parametrize("experts,top_k,hidden,inter,tokens", [(128, 8, 2048, 768, 1), (128, 8, 2048, 768, 4),
                                                                 (8, 2, 4096, 14336, 1)], ids=["qwen3-1", "qwen3-4",

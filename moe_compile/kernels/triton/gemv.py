@@ -134,6 +134,12 @@ def gemv_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
         raise ValueError(f"gemv_experts: {reason}.")
     num_tokens, top_k = topk_ids.shape
     num_local, hidden, n13 = w13.shape
+    if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous() or topk_ids.dtype != torch.int32:
+        raise TypeError(f"gemv_experts: topk_weights must be contiguous fp32 and topk_ids int32, but got "
+                        f"{topk_weights.dtype} and {topk_ids.dtype}.")
+    if tuple(out.shape) != (num_tokens, hidden) or out.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"gemv_experts: x and out must be [{num_tokens}, {hidden}] with contiguous rows, but got "
+                         f"x {tuple(x.shape)} strides {x.stride()} and out {tuple(out.shape)} strides {out.stride()}.")
     inter = intermediate_size(n13, config.activation)
     pairs = num_tokens * top_k
     if pairs == 0:
