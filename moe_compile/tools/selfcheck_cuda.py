@@ -88,8 +88,9 @@ def _routing_checks(s: Setup, gen: torch.Generator) -> list[Check]:
 
 
 def _router_checks(s: Setup, gen: torch.Generator) -> list[Check]:
-    """fp32 router logits from the bf16 input against ``F.linear(x.float(), w.float())``: the GEMV
-    kernel (few tokens) and the split-bf16 tensor-core GEMM (run directly at this check's size)."""
+    """Router logits from the bf16 input against fp64: fp32 logits by the GEMV kernel (few tokens)
+    and the split-bf16 tensor-core GEMM (run directly at this check's size), and bf16 logits from
+    bf16 weights by the GEMV kernel."""
     from moe_compile.kernels.triton import router
 
     hidden = 7168 if not s.tiny else 64
@@ -99,6 +100,12 @@ def _router_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     out = [_compare("router", f"{gemv_tokens}x{hidden} fp32 weights, GEMV",
                     lambda: router.router_logits(x[:gemv_tokens], w), torch.nn.functional.linear(
                         x[:gemv_tokens].double(), w.double()), 1e-5)]
+    # bf16 routers (Mixtral, Qwen3): bf16 logits, the fp32 sum rounded once -> within half a bf16
+    # ulp of the largest logit, 2^-8 of it
+    wb = w.bfloat16()
+    out.append(_compare("router", f"{gemv_tokens}x{hidden} bf16 weights, bf16 logits, GEMV",
+                        lambda: router.router_logits(x[:gemv_tokens], wb, None, torch.bfloat16),
+                        torch.nn.functional.linear(x[:gemv_tokens].double(), wb.double()), 2 ** -8))
     if not s.tiny:  # the interpreter's bf16 tl.dot is not usable
         buf = torch.empty(s.tokens, w.shape[0], device=s.device)
         out.append(_compare("router", f"{s.tokens}x{hidden} fp32 weights, split-bf16 GEMM",
@@ -144,6 +151,7 @@ def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     plans = {"pairs": Plan(ExpertsPath.PAIRS, g, g), "sorted": Plan(ExpertsPath.SORTED, g, g)}
     tma = GemmConfig(g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, tma=1)
     plans["sorted, TMA loads"] = Plan(ExpertsPath.SORTED, tma, tma)
+    plans["gemv (CUDA cores)"] = Plan(ExpertsPath.GEMV, g, g)
     if _grouped_mm_ok(x, weights):
         plans["grouped_mm"] = Plan(ExpertsPath.GROUPED_MM, g, g)
     out = []
