@@ -18,6 +18,8 @@ are sized from shapes alone (``P = T * k`` rows). ``TritonExperts`` wraps it as 
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from moe_compile.kernels.grouped_mm import cuda_capability
@@ -27,12 +29,14 @@ from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan, default_plan
 from moe_compile.kernels.triton.gemm import moe_gemm
+from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
 from moe_compile.modular.experts import BatchedExperts
 from moe_compile.modular.weight_and_reduce import TopKWeightAndReduceNoOp
 from moe_compile.ops.activation import intermediate_size
 from moe_compile.ops.config import ExpertsConfig
 
+log = logging.getLogger("moe_compile")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -101,14 +105,14 @@ def fused_experts(
     pairs = num_tokens * top_k
     common = dict(topk_ids=ids, top_k=top_k, expert_map=expert_map)
     if plan.path is ExpertsPath.GEMV:
-        from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported
-
-        if gemv_supported(weights.w13, weights.w2)[0]:
+        ok, reason = gemv_supported(weights.w13, weights.w2)
+        if ok:
             blocks = [(c.block_n, c.block_k, c.num_warps) for c in (plan.gemm1, plan.gemm2)]
             return gemv_experts(x, w_tk, ids, weights.w13, weights.w2, config, out, w13_bias=weights.w13_bias,
                                 w2_bias=weights.w2_bias, expert_map=expert_map, weighted=weighted,
                                 up=blocks[0], down=blocks[1])
-        # weights whose reduction axis is strided: the GEMM paths read them through their strides
+        # the GEMM paths read such weights through their strides
+        log.debug("moe_compile: the gemv plan runs the default GEMM plan instead: %s", reason)
         plan = default_plan(num_tokens, top_k, num_local, hidden, inter)
     if plan.path is ExpertsPath.GROUPED_MM:
         al = align(ids, num_local, expert_map, x=x)
