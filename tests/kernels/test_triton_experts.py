@@ -210,22 +210,16 @@ def test_fused_experts_tma_loads(path, act, interleaved, bias, monkeypatch):
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, cfg))
     assert any("TMA loads declined" in m for m in messages) == interleaved, messages
     n_cols = inter if act.is_gated else weights.w13.shape[2]
-    w_desc, a_desc, wx_desc, ax_desc = _tma_descriptors(x, weights.w13, g, n_cols, interleaved=interleaved,
-                                                        gather_a=True, pair_blocks=False)
-    assert (w_desc is None) == interleaved and a_desc is None and wx_desc is None and ax_desc is None
+    w_desc, a_desc = _tma_descriptors(x, weights.w13, g, n_cols, interleaved=interleaved, gather_a=True,
+                                      pair_blocks=False)
+    assert (w_desc is None) == interleaved and a_desc is None
     act_rows = torch.empty(tokens * top_k, inter, device=DEV, dtype=DTYPE)
-    w_desc, a_desc, _, _ = _tma_descriptors(act_rows, weights.w2, g, hidden, interleaved=False, gather_a=False,
-                                            pair_blocks=path is ExpertsPath.PAIRS)
+    w_desc, a_desc = _tma_descriptors(act_rows, weights.w2, g, hidden, interleaved=False, gather_a=False,
+                                      pair_blocks=path is ExpertsPath.PAIRS)
     assert w_desc is not None and (a_desc is None) == (path is ExpertsPath.PAIRS)
-    if path is not ExpertsPath.PAIRS:  # extra rows: half N-blocks of W, extra_m-row boxes of A
-        gx = GemmConfig(g.block_m, g.block_n, g.block_k, tma=1, extra_m=g.block_m // 2 if CUDA else 16)
-        _, _, wx_desc, ax_desc = _tma_descriptors(act_rows, weights.w2, gx, hidden, interleaved=False,
-                                                  gather_a=False, pair_blocks=False)
-        assert list(wx_desc.block_shape) == [gx.block_n // 2, gx.block_k]
-        assert list(ax_desc.block_shape) == [gx.extra_m, gx.block_k]
     kn_layout = weights.w2.contiguous()  # [E, K, N] storage: N-major, no descriptor
     assert _tma_descriptors(act_rows, kn_layout, g, hidden, interleaved=False, gather_a=False,
-                            pair_blocks=False) == (None, None, None, None)
+                            pair_blocks=False) == (None, None)
 
 
 @pytest.mark.parametrize("act,bias", [(Activation.SILU, False), (Activation.GELU, True),

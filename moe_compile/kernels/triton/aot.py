@@ -67,7 +67,6 @@ GEMV_VARIANTS = {
     "gemv-up-swiglu-map-bias-pdl": dict(kernel="up", HAS_MAP=True, HAS_BIAS=True, GATED=True, ACT=0),
     "gemv-down-combine-map-pdl": dict(kernel="down", HAS_MAP=True, HAS_BIAS=False, WEIGHTED=True),
 }
-DESCS = ("w_desc", "a_desc", "wx_desc", "ax_desc")
 SCALARS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
            "counts_ptr": "*i32", "ids_ptr": "*i32", "map_ptr": "*i32", "alpha": "fp32", "limit": "fp32"}
 
@@ -185,10 +184,10 @@ def compile_variant(choice: dict, arch: int) -> int:
     signature, constexprs = {}, {}
     for param in fn.params:
         name = param.name
-        if param.is_constexpr or (name in DESCS and choice.get(name) is None):
+        if param.is_constexpr or (name in ("w_desc", "a_desc") and choice.get(name) is None):
             signature[name] = "constexpr"
             constexprs[name] = choice.get(name)
-        elif name in DESCS:
+        elif name in ("w_desc", "a_desc"):
             signature[name] = choice[name]
         else:
             signature[name] = SCALARS.get(name, "i32")

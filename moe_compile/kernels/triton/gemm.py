@@ -141,7 +141,7 @@ def _epilogue(acc_g, acc_u, e, rows, rmask, n, nmask, bias_ptr, out_ptr, stride_
 
 @triton.jit
 def _gemm_tile(
-    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, ax_desc,
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
@@ -151,7 +151,7 @@ def _gemm_tile(
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``: rows ``row0 ..`` (stored below
     ``row_end``), output columns block ``pid_n``. ``EXTRA > 0``: also the ``EXTRA`` rows after
-    them (A by ``ax_desc`` or pointer loads), multiplied by the same weight tiles in the same K-loop."""
+    them (A by pointer loads), multiplied by the same weight tiles in the same K-loop."""
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     a_rows = _a_rows(rows, rmask, sorted_ptr, TOP_K, GATHER_A, PAIR_BLOCKS)
@@ -182,9 +182,7 @@ def _gemm_tile(
         else:
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
         if EXTRA > 0:
-            if A_TMA:
-                a2 = ax_desc.load([row0 + BLOCK_M, k0])
-            elif EVEN_K:
+            if EVEN_K:
                 a2 = tl.load(a2_ptrs, mask=rmask2[:, None], other=0.0)
             else:
                 a2 = tl.load(a2_ptrs, mask=rmask2[:, None] & kmask[None, :], other=0.0)
@@ -221,7 +219,7 @@ def _gemm_tile(
 
 @triton.jit
 def _block_tile(
-    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, wx_desc, ax_desc,
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
@@ -234,20 +232,17 @@ def _block_tile(
     a fraction of a full one; with ``EXTRA_M`` a last block of more than ``BLOCK_M`` rows runs as
     a full tile plus an ``EXTRA_M``-row one on the same weight tiles."""
     if TAIL_M > 0 and row_end - row0 <= TAIL_M:
-        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, ax_desc,
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA, False)
     elif EXTRA_M > 0 and row_end - row0 > BLOCK_M:
-        # two column halves in turn, so the extra accumulators fit in registers; each half's
-        # weights are read once (``wx_desc``: a descriptor whose box is half an N-block)
-        for half in tl.static_range(2):
-            _gemm_tile(e, row0, row_end, pid_n * 2 + half, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, wx_desc,
-                       a_desc, ax_desc, N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be,
-                       stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                       HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N // 2, BLOCK_K, W_TMA, A_TMA, EXTRA_M)
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+                   EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, EXTRA_M)
     else:
-        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, ax_desc,
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
@@ -288,7 +283,7 @@ def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_P
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc, wx_desc, ax_desc,
+    a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
     E_local, N, K, launched, N_total, row_stride,
     stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
@@ -316,8 +311,7 @@ def _moe_gemm_kernel(
                 pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                                  PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, EXTRA_M)
-            _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, wx_desc,
-                        ax_desc,
+            _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                         N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
                         HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, EXTRA_M)
@@ -331,8 +325,7 @@ def _moe_gemm_kernel(
                                              PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, EXTRA_M)
         if not live:
             return
-        _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc, wx_desc,
-                        ax_desc,
+        _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
                     HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, EXTRA_M)
@@ -394,18 +387,17 @@ def _declined(reason: str) -> None:
 
 def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: int, *, interleaved: bool,
                      gather_a: bool, pair_blocks: bool):
-    """``(w_desc, a_desc, wx_desc, ax_desc)`` TMA descriptors where the config asks for them and
-    the layout allows (``None`` each otherwise): W K-major (``[E, N, K]`` storage, as HF keeps its
-    experts), its N-blocks whole inside one expert's gate or up half, 16-byte aligned rows; A only
-    when its rows are read in place (the second GEMM's sorted blocks). With ``extra_m``: W in
-    half N-blocks and A in ``extra_m``-row boxes, for an expert's last block of extra rows."""
+    """``(w_desc, a_desc)`` TMA descriptors where the config asks for them and the layout allows
+    (``None`` each otherwise): W K-major (``[E, N, K]`` storage, as HF keeps its experts), its
+    N-blocks whole inside one expert's gate or up half, 16-byte aligned rows; A only when its
+    rows are read in place (the second GEMM's sorted blocks)."""
     if not cfg.tma or not (a.device.type == "cuda" or interpreting()):
-        return None, None, None, None
+        return None, None
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError:
         _declined("this triton has no triton.tools.tensor_descriptor")
-        return None, None, None, None
+        return None, None
     num_local, k_dim, n_total = w.shape
     esize = w.element_size()
     w_ok = (not interleaved and w.stride(1) == 1 and w.stride(2) == k_dim and w.stride(0) == n_total * k_dim
@@ -413,18 +405,14 @@ def _tma_descriptors(a: torch.Tensor, w: torch.Tensor, cfg: GemmConfig, n_cols: 
     if not w_ok:
         _declined("the weights are not K-major [E, N, K] storage with whole N-blocks per gate/up half "
                   f"(w {tuple(w.shape)} strides {w.stride()}, block_n={cfg.block_n}, interleaved={interleaved})")
-        return None, None, None, None
+        return None, None
     w_rows = w.transpose(1, 2).reshape(num_local * n_total, k_dim)  # a view of the [E, N, K] storage
     w_desc = TensorDescriptor.from_tensor(w_rows, [cfg.block_n, cfg.block_k])
-    a_desc = wx_desc = ax_desc = None
+    a_desc = None
     if (not gather_a and not pair_blocks and a.stride(1) == 1 and (a.stride(0) * esize) % 16 == 0
             and a.data_ptr() % 16 == 0):
         a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
-        if cfg.extra_m:
-            ax_desc = TensorDescriptor.from_tensor(a, [cfg.extra_m, cfg.block_k])
-    if cfg.extra_m and not pair_blocks:
-        wx_desc = TensorDescriptor.from_tensor(w_rows, [cfg.block_n // 2, cfg.block_k])
-    return w_desc, a_desc, wx_desc, ax_desc
+    return w_desc, a_desc
 
 
 def moe_gemm(
@@ -470,12 +458,12 @@ def moe_gemm(
     else:
         launched, grid = nbm, (tiles,)
     dummy = topk_ids
-    w_desc, a_desc, wx_desc, ax_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved,
-                                                        gather_a=gather_a, pair_blocks=pair_blocks)
+    w_desc, a_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved, gather_a=gather_a,
+                                      pair_blocks=pair_blocks)
     _moe_gemm_kernel[grid](
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
-        topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc, wx_desc, ax_desc,
+        topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
         num_local, n_cols, a.shape[1], launched, w.shape[2], row_stride,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
