@@ -1,6 +1,6 @@
 """Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
 
-    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|extra] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+    python benchmarks/sweep_gemm.py [--variants group|blockk|expert] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
 
 ``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
 each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
@@ -18,8 +18,6 @@ Sixth session: ``--variants blockk`` found no gain (128-deep K-steps were slower
 turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
-Tenth session: ``--variants extra`` lets an expert's last block take up to ``block_m + extra_m``
-rows in one program (``GemmConfig.extra_m``).
 """
 from __future__ import annotations
 
@@ -58,14 +56,6 @@ VARIANTS = {
     "group": {1: [1, 2, 4, 8, 16, 32, 1024], 2: [1, 2, 4, 8, 16, 32, 1024]},
     # the tiles expert by expert (GemmConfig.expert_order), group_m M-blocks of one expert at a time
     "expert": {g: [dict(expert_order=1, group_m=m) for m in (1, 4, 8, 16, 1024)] for g in (1, 2)},
-    # an expert's last block takes up to block_m + extra_m rows in one program (GemmConfig.extra_m),
-    # so a few rows past a full block no longer cost a tile of their own that re-reads the weights
-    "extra": {
-        1: [dict(extra_m=64), dict(extra_m=32), dict(extra_m=64, tail_m=0), dict(extra_m=64, num_warps=16),
-            dict(extra_m=64, persistent=0)],
-        2: [dict(extra_m=64), dict(extra_m=32), dict(extra_m=64, num_warps=16), dict(extra_m=64, block_n=128),
-            dict(extra_m=64, persistent=0), dict(extra_m=64, block_n=128, persistent=0)],
-    },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
@@ -74,10 +64,7 @@ def variant(cfg, v):
     if isinstance(v, int):
         return replace(cfg, group_m=v)
     if isinstance(v, dict):
-        out = replace(cfg, **v)
-        if out.extra_m and out.extra_m > out.block_m:
-            out = replace(out, extra_m=out.block_m)
-        return out
+        return replace(cfg, **v)
     fields = dict(zip(FIELDS, v))
     tail = cfg.tail_m if 0 < cfg.tail_m < fields["block_m"] else 0
     return replace(cfg, tail_m=tail, **fields)
@@ -120,7 +107,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
                 print("  budget spent; stopping", flush=True)
                 return row
             tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m} "
-                   f"g{cfg.group_m}{' by-expert' if cfg.expert_order else ''} p{cfg.persistent} x{cfg.extra_m}")
+                   f"g{cfg.group_m}{' by-expert' if cfg.expert_order else ''}")
             try:
                 out = run(gemm, cfg, st[0]).float()
                 err = ((out - ref).norm() / ref.norm()).item()

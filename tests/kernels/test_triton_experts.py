@@ -340,59 +340,6 @@ def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
     _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights)
 
 
-@pytest.mark.parametrize("persistent,expert_order", [(0, 0), (1, 0), (0, 1)],
-                         ids=["grid", "persistent", "expert-order"])
-@pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
-@pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
-def test_extra_rows_join_the_last_block(persistent, expert_order, pre_gather, with_map):
-    """``extra_m``: an expert's last block takes up to ``block_m + extra_m`` rows in one program
-    (a second tile on the same weight tiles); experts here get one row, fewer than ``extra_m``,
-    a last block just over ``block_m``, one of ``block_m + extra_m`` rows (the most), one row more
-    (two blocks), two blocks and more, and no rows at all; ``tail_m`` is on as well."""
-    from dataclasses import replace
-
-    tokens, hidden, inter, num_experts, top_k = (120, 32, 32, 9, 2) if not CUDA else (1500, 256, 256, 16, 4)
-    base = replace(TINY, block_m=32) if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3)
-    extra = base.block_m // 2
-    g = replace(base, persistent=persistent, expert_order=expert_order, tma=1, extra_m=extra,
-                tail_m=base.block_m // 4 if CUDA else 16)
-    bm = g.block_m
-    wanted = [1, extra - 1, bm + 1, bm + extra, bm + extra + 1, 2 * bm + 3, 0]  # experts 1..7
-    fillers = [0] + list(range(len(wanted) + 1, num_experts))
-    pairs = tokens * top_k
-    rest = pairs - sum(wanted)
-    fill_counts = [rest // len(fillers) + (i < rest % len(fillers)) for i in range(len(fillers))]
-    ids = torch.cat([torch.full((c,), e, dtype=torch.int64)
-                     for e, c in list(zip(range(1, len(wanted) + 1), wanted)) + list(zip(fillers, fill_counts))])
-    if with_map:  # the last five pairs go to an expert that is not this rank's
-        ids[-5:] = num_experts + 1
-    # token t takes pairs t, t + tokens, ...: every expert holds fewer than `tokens` consecutive
-    # pairs, so no token takes one expert twice
-    assert max(wanted + fill_counts) < tokens
-    topk_ids = ids.reshape(top_k, tokens).t().contiguous().to(DEV, torch.int32)
-    num_global = num_experts + 2 if with_map else num_experts
-    counts = torch.bincount(topk_ids.flatten().long().cpu(), minlength=num_global)
-    assert counts[1:len(wanted) + 1].tolist() == wanted
-    gen = torch.Generator().manual_seed(3)
-    topk_w = torch.rand(tokens, top_k, generator=gen).to(DEV)
-    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
-    plan = _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights)
-    assert Plan.from_dict(plan.to_dict()) == plan
-
-
-def test_extra_m_must_be_a_tile():
-    from dataclasses import replace
-
-    x = torch.randn(4, 32)
-    for bad in (8, 24, 64):
-        g = replace(TINY, block_m=32, extra_m=bad)
-        with pytest.raises(ValueError, match="extra_m"):
-            moe_gemm(x, torch.randn(2, 32, 16), torch.empty(8, 16), topk_ids=torch.zeros(4, 2, dtype=torch.int32),
-                     top_k=2, counts=torch.tensor([8, 0], dtype=torch.int32), sorted_pair=None, gather_a=False,
-                     config=g)
-
-
 def _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights):
     """``fused_experts`` on the sorted path with GEMM config ``g`` against the reference; with
     ``with_map`` the experts past the local ones are not this rank's."""

@@ -49,7 +49,6 @@ class GemmConfig:
     persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
     tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
     expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
-    extra_m: int = 0  # > 0: an expert's last block holds up to block_m + extra_m rows (one program, one W read)
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -57,24 +56,11 @@ class GemmConfig:
 
 
 @triton.jit
-def _num_blocks(counts, BLOCK_M: tl.constexpr, EXTRA_M: tl.constexpr):
-    """M-blocks of experts holding ``counts`` rows: ``BLOCK_M`` rows each, except that with
-    ``EXTRA_M`` an expert's last block takes up to ``BLOCK_M + EXTRA_M`` rows (so 130 rows are one
-    block of 128 + 2, not two blocks)."""
-    if EXTRA_M > 0:
-        nblk = tl.where(counts > EXTRA_M, (counts - EXTRA_M + BLOCK_M - 1) // BLOCK_M, (counts > 0).to(tl.int32))
-    else:
-        nblk = (counts + BLOCK_M - 1) // BLOCK_M
-    return nblk
-
-
-@triton.jit
 def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                 PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                BATCHED: tl.constexpr, EXTRA_M: tl.constexpr):
+                BATCHED: tl.constexpr):
     """(live, expert, first row, end row) of M-block ``pid_m``; ``BATCHED``: expert ``e``'s rows
-    start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed. An
-    expert's last block may end up to ``EXTRA_M`` rows past ``first row + BLOCK_M``."""
+    start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed."""
     if PAIR_BLOCKS:
         e = tl.load(ids_ptr + pid_m)
         if HAS_MAP:
@@ -85,7 +71,7 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
     else:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        nblk = _num_blocks(counts, BLOCK_M, EXTRA_M)
+        nblk = (counts + BLOCK_M - 1) // BLOCK_M
         blk_end = tl.cumsum(nblk, 0)
         live = pid_m < tl.sum(nblk)
         e = tl.sum((blk_end <= pid_m).to(tl.int32))
@@ -103,8 +89,19 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
 
 
 @triton.jit
-def _a_rows(rows, rmask, sorted_ptr, TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """The rows of A that output rows ``rows`` read (token rows when gathering, else the same)."""
+def _gemm_tile(
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+    A_TMA: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``: rows ``row0 ..`` (stored below
+    ``row_end``), output columns block ``pid_n``."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
     if GATHER_A:
         if PAIR_BLOCKS:
             a_rows = rows // TOP_K
@@ -112,22 +109,50 @@ def _a_rows(rows, rmask, sorted_ptr, TOP_K: tl.constexpr, GATHER_A: tl.constexpr
             a_rows = tl.load(sorted_ptr + rows, mask=rmask, other=0) // TOP_K
     else:
         a_rows = rows
-    return a_rows
-
-
-@triton.jit
-def _mma(a, w, acc, IEEE: tl.constexpr):
-    if IEEE:
-        acc = tl.dot(a, w, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(a, w, acc)
-    return acc
-
-
-@triton.jit
-def _epilogue(acc_g, acc_u, e, rows, rmask, n, nmask, bias_ptr, out_ptr, stride_be, stride_bn, stride_om,
-              up_off, col_mult, alpha, limit, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Bias, activation and the store of one accumulator tile (rows ``rows``, columns ``n``)."""
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    g_ptrs = w_base + k[:, None] * stride_wk + (n * col_mult)[None, :].to(tl.int64) * stride_wn
+    u_ptrs = g_ptrs + up_off * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # TMA: W is [E * N_total, K] K-major (the caller checked it), whole N-blocks inside one expert
+    w_row = e * N_total + pid_n * BLOCK_N
+    for k0 in range(0, K, BLOCK_K):
+        if A_TMA:  # ungathered rows: rows past row_end are computed and never stored
+            a = a_desc.load([row0, k0])
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
+        else:
+            kmask = (k0 + k) < K
+            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if W_TMA:
+            wg = w_desc.load([w_row, k0]).T
+        elif EVEN_K:
+            wg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + k) < K
+            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+        if GATED:
+            if W_TMA:
+                wu = w_desc.load([w_row + up_off, k0]).T
+            elif EVEN_K:
+                wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
+            else:
+                wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(a, wu, acc_u)
+            u_ptrs += BLOCK_K * stride_wk
+        a_ptrs += BLOCK_K * stride_ak
+        g_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
         acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -140,84 +165,6 @@ def _epilogue(acc_g, acc_u, e, rows, rmask, n, nmask, bias_ptr, out_ptr, stride_
 
 
 @triton.jit
-def _gemm_tile(
-    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
-    up_off, col_mult, alpha, limit,
-    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
-    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr, EXTRA: tl.constexpr = 0,
-):
-    """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``: rows ``row0 ..`` (stored below
-    ``row_end``), output columns block ``pid_n``. ``EXTRA > 0``: also the ``EXTRA`` rows after
-    them (A by pointer loads), multiplied by the same weight tiles in the same K-loop."""
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    a_rows = _a_rows(rows, rmask, sorted_ptr, TOP_K, GATHER_A, PAIR_BLOCKS)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    g_ptrs = w_base + k[:, None] * stride_wk + (n * col_mult)[None, :].to(tl.int64) * stride_wn
-    u_ptrs = g_ptrs + up_off * stride_wn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if EXTRA > 0:
-        rows2 = row0 + BLOCK_M + tl.arange(0, EXTRA)
-        rmask2 = rows2 < row_end
-        a2_rows = _a_rows(rows2, rmask2, sorted_ptr, TOP_K, GATHER_A, PAIR_BLOCKS)
-        a2_ptrs = a_ptr + a2_rows[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak
-        acc2_g = tl.zeros([EXTRA, BLOCK_N], dtype=tl.float32)
-        acc2_u = tl.zeros([EXTRA, BLOCK_N], dtype=tl.float32)
-    # TMA: W is [E * N_total, K] K-major (the caller checked it), whole N-blocks inside one expert
-    w_row = e * N_total + pid_n * BLOCK_N
-    for k0 in range(0, K, BLOCK_K):
-        kmask = (k0 + k) < K
-        if A_TMA:  # ungathered rows: rows past row_end are computed and never stored
-            a = a_desc.load([row0, k0])
-        elif EVEN_K:
-            a = tl.load(a_ptrs, mask=rmask[:, None], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        if EXTRA > 0:
-            if EVEN_K:
-                a2 = tl.load(a2_ptrs, mask=rmask2[:, None], other=0.0)
-            else:
-                a2 = tl.load(a2_ptrs, mask=rmask2[:, None] & kmask[None, :], other=0.0)
-        if W_TMA:
-            wg = w_desc.load([w_row, k0]).T
-        elif EVEN_K:
-            wg = tl.load(g_ptrs, mask=nmask[None, :], other=0.0)
-        else:
-            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        acc_g = _mma(a, wg, acc_g, IEEE)
-        if EXTRA > 0:
-            acc2_g = _mma(a2, wg, acc2_g, IEEE)
-        if GATED:
-            if W_TMA:
-                wu = w_desc.load([w_row + up_off, k0]).T
-            elif EVEN_K:
-                wu = tl.load(u_ptrs, mask=nmask[None, :], other=0.0)
-            else:
-                wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc_u = _mma(a, wu, acc_u, IEEE)
-            if EXTRA > 0:
-                acc2_u = _mma(a2, wu, acc2_u, IEEE)
-            u_ptrs += BLOCK_K * stride_wk
-        a_ptrs += BLOCK_K * stride_ak
-        g_ptrs += BLOCK_K * stride_wk
-        if EXTRA > 0:
-            a2_ptrs += BLOCK_K * stride_ak
-    _epilogue(acc_g, acc_u, e, rows, rmask, n, nmask, bias_ptr, out_ptr, stride_be, stride_bn, stride_om,
-              up_off, col_mult, alpha, limit, GATED, ACT, HAS_BIAS)
-    if EXTRA > 0:
-        _epilogue(acc2_g, acc2_u, e, rows2, rmask2, n, nmask, bias_ptr, out_ptr, stride_be, stride_bn, stride_om,
-                  up_off, col_mult, alpha, limit, GATED, ACT, HAS_BIAS)
-
-
-@triton.jit
 def _block_tile(
     e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
@@ -225,22 +172,16 @@ def _block_tile(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, EXTRA_M: tl.constexpr,
+    A_TMA: tl.constexpr, TAIL_M: tl.constexpr,
 ):
     """An M-block's tile; with ``TAIL_M`` an expert's last block holding at most ``TAIL_M`` rows
     runs as a ``TAIL_M``-row tile (A by pointer loads), so a block that is mostly padding costs
-    a fraction of a full one; with ``EXTRA_M`` a last block of more than ``BLOCK_M`` rows runs as
-    a full tile plus an ``EXTRA_M``-row one on the same weight tiles."""
+    a fraction of a full one."""
     if TAIL_M > 0 and row_end - row0 <= TAIL_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA, False)
-    elif EXTRA_M > 0 and row_end - row0 > BLOCK_M:
-        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
-                   EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, EXTRA_M)
     else:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
@@ -261,7 +202,7 @@ def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                GROUP_M: tl.constexpr, EXTRA_M: tl.constexpr):
+                GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of tile ``tile`` with the tiles ordered expert by expert: all tiles of
     expert 0's M-blocks, then expert 1's, ...; within one expert ``GROUP_M`` of its M-blocks share
     each N-block in turn. So an expert's weight tile is read by all of its M-blocks at about the
@@ -269,7 +210,7 @@ def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_P
     the live ones map to dead M-blocks."""
     eo = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-    nblk = _num_blocks(counts, BLOCK_M, EXTRA_M)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
     blk_end = tl.cumsum(nblk, 0)
     b = tile // num_pid_n  # tiles [first * n, (first + nb) * n) are expert e's: b is one of its M-blocks
     e = tl.sum((blk_end <= b).to(tl.int32))
@@ -292,7 +233,7 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, EXTRA_M: tl.constexpr = 0,
+    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
@@ -302,33 +243,33 @@ def _moe_gemm_kernel(
     if PERSISTENT:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        live_m = tl.sum(_num_blocks(counts, BLOCK_M, EXTRA_M))
+        live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
             if EXPERT_ORDER:
-                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M, EXTRA_M)
+                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M)
             else:
                 pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, EXTRA_M)
+                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
             _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                         N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, EXTRA_M)
+                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
     else:
         if EXPERT_ORDER:
             pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
-                                       GROUP_M, EXTRA_M)
+                                       GROUP_M)
         else:
             pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, EXTRA_M)
+                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
         if not live:
             return
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, EXTRA_M)
+                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -366,13 +307,6 @@ def num_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _check_extra_m(cfg: GemmConfig) -> None:
-    e = cfg.extra_m
-    if e and (e < 16 or e > cfg.block_m or e & (e - 1)):
-        raise ValueError(f"config.extra_m={e} must be 0 or a power of two from 16 to block_m={cfg.block_m} "
-                         "(the extra rows are one more tensor-core tile).")
 
 
 _DECLINED: set[str] = set()
@@ -448,7 +382,6 @@ def moe_gemm(
         return out
     interleaved = gated and experts.gate_up_interleaved
     cfg = config
-    _check_extra_m(cfg)
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
     tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
     persistent = bool(cfg.persistent) and not pair_blocks
@@ -476,7 +409,6 @@ def moe_gemm(
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
-        EXTRA_M=0 if pair_blocks else cfg.extra_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
