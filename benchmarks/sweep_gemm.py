@@ -1,6 +1,6 @@
 """Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
 
-    python benchmarks/sweep_gemm.py [--variants group|blockk|expert] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
 
 ``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
 each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
@@ -18,6 +18,7 @@ Sixth session: ``--variants blockk`` found no gain (128-deep K-steps were slower
 turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
+Tenth session: ``--variants occupancy`` times tiles small enough for two or three CTAs per SM.
 """
 from __future__ import annotations
 
@@ -56,6 +57,13 @@ VARIANTS = {
     "group": {1: [1, 2, 4, 8, 16, 32, 1024], 2: [1, 2, 4, 8, 16, 32, 1024]},
     # the tiles expert by expert (GemmConfig.expert_order), group_m M-blocks of one expert at a time
     "expert": {g: [dict(expert_order=1, group_m=m) for m in (1, 4, 8, 16, 1024)] for g in (1, 2)},
+    # two or three CTAs per SM (shared memory <= ~110 KB, registers <= 32 K per CTA), so one CTA's
+    # pipeline fill and epilogue overlap another's K-loop (the tuned tiles run one CTA per SM)
+    "occupancy": {
+        1: [(128, 64, 64, 4, 3), (128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 2), (64, 64, 64, 4, 4)],
+        2: [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 8, 2),
+            (128, 128, 64, 8, 2)],
+    },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
