@@ -2,12 +2,14 @@
 
     python benchmarks/tune_triton.py [--shapes mixtral qwen3 deepseek_v3] [--ms 1 32 256 2048 8192]
         [--out moe_compile/kernels/triton/configs] [--budget-s 400]
+    python benchmarks/tune_triton.py --shape 128,8,4096,1536      # your model: E,top_k,H,I
 
 For each shape and token count M it times the whole ``fused_experts`` call (CUDA graph over
 ``ROTATE`` different routings, so weights come from HBM) for: the sorted path with each candidate
 GEMM1 config (GEMM2 at its default), then each GEMM2 candidate with the best GEMM1; the pairs path
 (where eligible) likewise; and the ``torch._grouped_mm`` path. The fastest plan per M goes to
-``E{E}_H{H}_I{I}_bf16_NVIDIA_H200.json`` (read by ``kernels/triton/configs.py``);
+``E{E}_H{H}_I{I}_bf16_{device}.json`` (read by ``kernels/triton/configs.py``; with ``_top_k``, so
+shapes without a file of their own can borrow its plans);
 every timing goes to ``tune_log.json`` beside it under ``--log``.
 
 Each point's best plan is then refined: timed side by side with its variants (the persistent
@@ -245,6 +247,17 @@ def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: l
     return timed[best], best
 
 
+def custom_shape(spec: str) -> Shape:
+    """``"E,top_k,H,I"`` -> a shape with softmax top-k routing (renormalised), named by its sizes."""
+    try:
+        e, k, h, i = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape {spec!r}: expected four integers E,top_k,H,I") from None
+    if min(e, k, h, i) < 1 or k > e:
+        raise argparse.ArgumentTypeError(f"--shape {spec!r}: sizes must be positive and top_k <= E")
+    return Shape(f"E{e}_k{k}_H{h}_I{i}", e, k, h, i, dict(routing_method="softmax", renormalize=True))
+
+
 def hf_layout_weights(shape: Shape) -> ExpertWeights:
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, h, i = shape.num_experts, shape.hidden, shape.inter
@@ -261,7 +274,9 @@ def write_table(path: Path, table: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES))
+    parser.add_argument("--shape", action="append", type=custom_shape, default=[],
+                        help="a shape of your own, E,top_k,H,I (softmax top-k routing); repeatable")
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
     parser.add_argument("--out", default=str(CONFIG_DIR))
     parser.add_argument("--log", default=None, help="where to write every timing (JSON)")
@@ -276,8 +291,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log: list = []
-    for name in args.shapes:
-        shape = SHAPES[name]
+    shapes = [SHAPES[name] for name in (args.shapes if args.shapes is not None else ([] if args.shape else SHAPES))]
+    for shape in shapes + args.shape:
+        name = shape.name
         weights = hf_layout_weights(shape)
         path = out / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
                                       device_key(torch.device("cuda")))
@@ -295,6 +311,7 @@ def main(argv=None) -> int:
             table[str(m)] = dict(plan.to_dict(), us=round(us, 1))
             table["_note"] = (f"written by benchmarks/tune_triton.py on {torch.cuda.get_device_name()}, "
                               f"torch {torch.__version__}")
+            table["_top_k"] = shape.top_k  # rows per expert, for shapes that borrow these plans
             write_table(path, table)  # after each point, so a run cut short keeps what it measured
             if args.log:
                 Path(args.log).write_text(json.dumps(log, indent=0))

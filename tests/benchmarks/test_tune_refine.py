@@ -68,3 +68,14 @@ def test_time_plan_skips_a_plan_with_wrong_output(monkeypatch, capsys):
     assert tt.time_plan(plan, [None], None, 1, ref=object()) == float("inf")
     monkeypatch.setattr(tt, "plan_error", lambda *args: 3e-3)
     assert tt.time_plan(plan, [None], None, 1, ref=object()) == 1.0
+
+
+def test_custom_shapes_parse_and_reject_bad_sizes():
+    import argparse
+
+    shape = tt.custom_shape("128,8,4096,1536")
+    assert (shape.num_experts, shape.top_k, shape.hidden, shape.inter) == (128, 8, 4096, 1536)
+    assert shape.name == "E128_k8_H4096_I1536" and shape.routing["routing_method"] == "softmax"
+    for bad in ("128,8,4096", "a,8,4096,1536", "8,16,4096,1536", "0,1,4096,1536"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
+            tt.custom_shape(bad)

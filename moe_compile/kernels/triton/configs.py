@@ -3,7 +3,15 @@
 Tuned files live beside this module in ``configs/`` and are written by ``benchmarks/tune_triton.py``:
 ``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
 ``{"path": "pairs"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
-stages). The entry whose ``M`` is nearest on a log scale is used.
+stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used.
+
+A shape without a file of its own on this device (another model's sizes) borrows: among this
+device's files, the entry whose rows per expert (``M * top_k / E``, what decides between
+memory- and compute-bound tiles) are nearest on a log scale, with a decode entry (``pairs``) only
+for a decode batch and never a ``grouped_mm`` one (tuned for one shape's CUTLASS kernels). An sm_90
+GPU without files of its own (an H100) reads the H200's, which were tuned on the same SMs.
+``benchmarks/tune_triton.py --shape E,top_k,H,I`` tunes a shape of your own. Without any file: the
+fixed heuristic of ``default_plan``.
 
 Paths:
 
@@ -23,6 +31,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,11 +127,104 @@ def default_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     return Plan(ExpertsPath.SORTED, g1, g2)
 
 
+SM90_TUNED = "NVIDIA_H200"  # the sm_90 device whose files other sm_90 devices read
+
+
+def tuned_device_keys(key: str, capability: tuple[int, int] | None) -> list[str]:
+    """The device keys whose files serve device ``key``: its own, then, on sm_90, the H200's."""
+    keys = [key]
+    if capability == (9, 0) and key != SM90_TUNED:
+        keys.append(SM90_TUNED)
+    return keys
+
+
+def _device_keys(device: torch.device) -> list[str]:
+    key = device_key(device)
+    if device.type != "cuda":
+        return [key]
+    return tuned_device_keys(key, _capability(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_files(dtype_name: str, device: str) -> tuple[tuple[str, int, float, tuple], ...]:
+    """``(file, E, H, ((M, top_k, plan), ...))`` of every tuned file for ``device`` and dtype that
+    records its ``_top_k`` (without it rows per expert are unknown)."""
+    pattern = re.compile(rf"E(\d+)_H(\d+)_I(\d+)_{dtype_name}_{re.escape(device)}\.json")
+    out = []
+    for path in sorted(CONFIG_DIR.glob(f"*_{dtype_name}_{device}.json")):
+        match = pattern.fullmatch(path.name)
+        if not match:
+            continue
+        raw = json.loads(path.read_text())
+        top_k = raw.get("_top_k")
+        if not isinstance(top_k, int) or top_k < 1:
+            continue
+        entries = tuple((int(m), top_k, Plan.from_dict(v)) for m, v in raw.items() if not m.startswith("_"))
+        out.append((path.name, int(match.group(1)), float(match.group(2)), entries))
+    return tuple(out)
+
+
+def borrowed_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, dtype: torch.dtype, device: str,
+                  exclude: str | None = None) -> tuple[Plan, str] | None:
+    """The plan another shape's file on ``device`` tuned for the nearest rows per expert (see the
+    module doc), and where it came from; ``None`` without a usable file. ``exclude``: a file name
+    not to borrow from (the shape's own, in a leave-one-out measurement)."""
+    pairs = num_tokens * top_k
+    target = math.log2(max(pairs / max(num_local, 1), 1e-6))
+    decode = pairs_eligible(pairs, num_local)
+    best = None
+    for name, experts, file_hidden, entries in _device_files(dtype_key(dtype), device):
+        if name == exclude:
+            continue
+        for m, k, plan in entries:
+            if plan.path is ExpertsPath.GROUPED_MM or (plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV)) != decode:
+                continue
+            dist = (abs(math.log2(m * k / experts) - target), abs(math.log2(file_hidden / max(hidden, 1))), name, m)
+            if best is None or dist < best[0]:
+                best = (dist, plan, f"{name} M={m}")
+    return (best[1], best[2]) if best else None
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        log.info(message)
+
+
+@functools.lru_cache(maxsize=4096)
+def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: torch.dtype,
+                  keys: tuple[str, ...]) -> Plan:
+    own = config_file_name(num_local, hidden, inter, dtype, keys[0])
+    for key in keys:
+        found = borrowed_plan(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, dtype=dtype,
+                              device=key)
+        if found:
+            _say_once(f"moe_compile: no tuned plans {own}; borrowing those tuned for the nearest rows per expert "
+                      f"on {key} (e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
+                      f"{num_local},{top_k},{hidden},{inter}` tunes this shape")
+            return found[0]
+    _say_once(f"moe_compile: no tuned plans {own} and none to borrow; using the default heuristic")
+    return default_plan(num_tokens, top_k, num_local, hidden, inter)
+
+
 def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                 dtype: torch.dtype, device: torch.device) -> Plan:
-    table = _load(config_file_name(num_local, hidden, inter, dtype, device_key(device)))
+    keys = _device_keys(device)
+    table = None
+    for key in keys:
+        table = _load(config_file_name(num_local, hidden, inter, dtype, key))
+        if table:
+            break
     if not table:
-        return default_plan(num_tokens, top_k, num_local, hidden, inter)
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys))
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
     plan = table[best]
@@ -132,4 +234,5 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
     return plan
 
 
-__all__ = ["CONFIG_DIR", "ExpertsPath", "Plan", "choose_plan", "config_file_name", "default_plan", "device_key"]
+__all__ = ["CONFIG_DIR", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_file_name", "default_plan",
+           "device_key", "tuned_device_keys"]

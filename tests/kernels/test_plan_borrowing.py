@@ -1,0 +1,106 @@
+"""Plans for shapes without tuned files of their own (``kernels/triton/configs.py``): borrowed from
+the same device's files by rows per expert, sm_90 devices reading the H200's files, and the
+default heuristic when nothing can be borrowed."""
+import json
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from moe_compile.kernels.triton import configs  # noqa: E402
+from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
+from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
+from moe_compile.testing.logs import captured_logs  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def _plan(path: str, block_m: int, block_n: int) -> dict:
+    g = GemmConfig(block_m=block_m, block_n=block_n, block_k=64, tma=1)
+    return Plan(ExpertsPath(path), g, g).to_dict()
+
+
+@pytest.fixture
+def tuned_dir(tmp_path, monkeypatch):
+    """Three files for the CPU device key: top-2 over 8 experts (decode, 64 and 2048 rows per
+    expert, the last on grouped_mm), top-8 over 128 (2 and 128 rows per expert) and one without
+    ``_top_k`` whose 8192-token entry would match 512 rows per expert exactly."""
+    files = {
+        "E8_H4096_I14336_bf16_cpu.json": {"_top_k": 2, "1": _plan("pairs", 16, 64), "256": _plan("sorted", 64, 64),
+                                          "8192": _plan("grouped_mm", 128, 128)},
+        "E128_H2048_I768_bf16_cpu.json": {"_top_k": 8, "32": _plan("sorted", 16, 32),
+                                          "2048": _plan("sorted", 128, 256)},
+        "E16_H1024_I512_bf16_cpu.json": {"1024": _plan("sorted", 32, 32)},
+    }
+    for name, table in files.items():
+        (tmp_path / name).write_text(json.dumps(table))
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    for cache in (configs._load, configs._device_files, configs._untuned_plan):
+        cache.cache_clear()
+    configs._SAID.clear()
+    yield tmp_path
+    for cache in (configs._load, configs._device_files, configs._untuned_plan):
+        cache.cache_clear()
+
+
+def _choose(num_tokens, top_k=8, num_local=64, hidden=2048, inter=1024):
+    return configs.choose_plan(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, inter=inter,
+                               dtype=torch.bfloat16, device=CPU)
+
+
+def test_an_untuned_shape_borrows_the_nearest_rows_per_expert(tuned_dir):
+    with captured_logs(logging.INFO) as messages:
+        plan = _choose(1024)  # 8192 pairs over 64 experts: 128 rows per expert
+        assert plan == Plan.from_dict(_plan("sorted", 128, 256))
+        assert _choose(1024) == plan
+    said = [m for m in messages if "no tuned plans" in m]
+    assert len(said) == 1 and "E64_H2048_I1024_bf16_cpu.json" in said[0]
+    assert "tune_triton.py --shape 64,8,2048,1024" in said[0]
+    assert _choose(256) == Plan.from_dict(_plan("sorted", 64, 64))  # 32 rows per expert: 64 is nearer than 128
+    assert _choose(64) == Plan.from_dict(_plan("sorted", 16, 32))  # 8 rows per expert: 2 is nearer than 64
+    assert _choose(16) == Plan.from_dict(_plan("sorted", 16, 32))  # 2 rows per expert
+
+
+def test_decode_borrows_a_decode_entry_and_batches_never_do(tuned_dir):
+    decode = _choose(1)  # 8 pairs over 64 experts: pairs-eligible
+    assert decode.path is ExpertsPath.PAIRS
+    for m in (16, 64, 1024, 65536):
+        assert _choose(m).path is ExpertsPath.SORTED
+
+
+def test_grouped_mm_entries_and_files_without_top_k_are_not_borrowed(tuned_dir):
+    # 512 rows per expert: the top-k-less file's entry would fit exactly, the grouped_mm one nearly
+    plan = _choose(4096)
+    assert plan == Plan.from_dict(_plan("sorted", 128, 256))
+    found = configs.borrowed_plan(num_tokens=4096, top_k=8, num_local=64, hidden=2048, dtype=torch.bfloat16,
+                                  device="cpu", exclude="E128_H2048_I768_bf16_cpu.json")
+    assert found[0] == Plan.from_dict(_plan("sorted", 64, 64)) and found[1] == "E8_H4096_I14336_bf16_cpu.json M=256"
+
+
+def test_a_shape_with_its_own_file_uses_it(tuned_dir):
+    assert _choose(2048, num_local=128, hidden=2048, inter=768) == Plan.from_dict(_plan("sorted", 128, 256))
+    assert _choose(32, num_local=128, hidden=2048, inter=768) == Plan.from_dict(_plan("sorted", 16, 32))
+
+
+def test_nothing_to_borrow_gives_the_default_heuristic(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    for cache in (configs._load, configs._device_files, configs._untuned_plan):
+        cache.cache_clear()
+    try:
+        assert _choose(1024) == configs.default_plan(1024, 8, 64, 2048, 1024)
+    finally:
+        for cache in (configs._load, configs._device_files, configs._untuned_plan):
+            cache.cache_clear()
+
+
+def test_sm90_devices_read_the_h200_files():
+    assert configs.tuned_device_keys("NVIDIA_H100_80GB_HBM3", (9, 0)) == ["NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"]
+    assert configs.tuned_device_keys("NVIDIA_H200", (9, 0)) == ["NVIDIA_H200"]
+    assert configs.tuned_device_keys("NVIDIA_A100-SXM4-80GB", (8, 0)) == ["NVIDIA_A100-SXM4-80GB"]
+
+
+def test_the_shipped_files_record_their_top_k():
+    shipped = {path.name: json.loads(path.read_text()) for path in configs.CONFIG_DIR.glob("*.json")}
+    assert shipped and all(isinstance(t.get("_top_k"), int) for t in shipped.values())
