@@ -104,3 +104,26 @@ def test_sm90_devices_read_the_h200_files():
 def test_the_shipped_files_record_their_top_k():
     shipped = {path.name: json.loads(path.read_text()) for path in configs.CONFIG_DIR.glob("*.json")}
     assert shipped and all(isinstance(t.get("_top_k"), int) for t in shipped.values())
+
+
+def test_an_own_file_tuned_for_other_batch_sizes_only_is_passed_over(tuned_dir):
+    """A partial tuning run (only M = 2048 for this shape): decode borrows a decode plan instead of
+    running 2048 tokens' tiles; batches within 8x of 2048 use the file."""
+    own = {"_top_k": 8, "2048": _plan("sorted", 128, 128)}
+    (tuned_dir / "E64_H2048_I1024_bf16_cpu.json").write_text(json.dumps(own))
+    with captured_logs(logging.INFO) as messages:
+        assert _choose(1).path is ExpertsPath.PAIRS
+    assert any("has no entry within 8x of 1 tokens" in m for m in messages), messages
+    assert _choose(256) == Plan.from_dict(own["2048"])
+    assert _choose(16384) == Plan.from_dict(own["2048"])
+    assert _choose(32) == Plan.from_dict(_plan("sorted", 16, 32))  # 4 rows per expert: nearest is 2
+
+
+def test_the_shipped_files_cover_their_range_without_borrowing():
+    """Every M from 1 to 65536 finds an entry of the shape's own shipped file within FAR_OCTAVES."""
+    import math
+
+    for path in configs.CONFIG_DIR.glob("*.json"):
+        ms = [int(m) for m in json.loads(path.read_text()) if not m.startswith("_")]
+        for m in (2 ** i for i in range(17)):
+            assert min(abs(math.log2(e) - math.log2(m)) for e in ms) <= configs.FAR_OCTAVES, (path.name, m)

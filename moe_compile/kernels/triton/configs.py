@@ -9,7 +9,9 @@ A shape without a file of its own on this device (another model's sizes) borrows
 device's files, the entry whose rows per expert (``M * top_k / E``, what decides between
 memory- and compute-bound tiles) are nearest on a log scale, with a decode entry (``pairs``) only
 for a decode batch and never a ``grouped_mm`` one (tuned for one shape's CUTLASS kernels). An sm_90
-GPU without files of its own (an H100) reads the H200's, which were tuned on the same SMs.
+GPU without files of its own (an H100) reads the H200's, which were tuned on the same SMs. A
+shape's own file whose nearest entry lies more than ``FAR_OCTAVES`` octaves of ``M`` away (a file
+tuned for other batch sizes only) is passed over the same way.
 ``benchmarks/tune_triton.py --shape E,top_k,H,I`` tunes a shape of your own. Without any file: the
 fixed heuristic of ``default_plan``.
 
@@ -199,35 +201,42 @@ def _say_once(message: str) -> None:
         log.info(message)
 
 
+FAR_OCTAVES = 3  # a tuned entry this many octaves of M away is another regime (a partial tuning run)
+
+
 @functools.lru_cache(maxsize=4096)
 def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: torch.dtype,
-                  keys: tuple[str, ...]) -> Plan:
-    own = config_file_name(num_local, hidden, inter, dtype, keys[0])
+                  keys: tuple[str, ...], why: str) -> Plan:
     for key in keys:
         found = borrowed_plan(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, dtype=dtype,
                               device=key)
         if found:
-            _say_once(f"moe_compile: no tuned plans {own}; borrowing those tuned for the nearest rows per expert "
-                      f"on {key} (e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
+            _say_once(f"moe_compile: {why}; borrowing the plans tuned for the nearest rows per expert on {key} "
+                      f"(e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
                       f"{num_local},{top_k},{hidden},{inter}` tunes this shape")
             return found[0]
-    _say_once(f"moe_compile: no tuned plans {own} and none to borrow; using the default heuristic")
+    _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic")
     return default_plan(num_tokens, top_k, num_local, hidden, inter)
 
 
 def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                 dtype: torch.dtype, device: torch.device) -> Plan:
     keys = _device_keys(device)
-    table = None
+    table, name = None, config_file_name(num_local, hidden, inter, dtype, keys[0])
     for key in keys:
         table = _load(config_file_name(num_local, hidden, inter, dtype, key))
         if table:
+            name = config_file_name(num_local, hidden, inter, dtype, key)
             break
     if not table:
-        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys))
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys), f"no tuned plans {name}")
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
     plan = table[best]
+    if abs(math.log2(max(best, 1)) - target) > FAR_OCTAVES:
+        # the file was tuned for other batch sizes only: a plan tuned for these rows per expert
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys),
+                             f"{name} has no entry within {2 ** FAR_OCTAVES}x of {num_tokens} tokens")
     if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
         return default_plan(num_tokens, top_k, num_local, hidden, inter)
