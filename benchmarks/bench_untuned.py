@@ -50,7 +50,7 @@ def plans_for(shape: Shape, m: int) -> dict:
                                   dtype=torch.bfloat16, device=key, exclude=own)
     if found:
         out["borrowed"] = found
-    if (configs.CONFIG_DIR / own).exists():
+    if any((d / own).exists() for d in configs.config_dirs()):
         out["tuned"] = (configs.choose_plan(num_tokens=m, top_k=shape.top_k, num_local=shape.num_experts,
                                             hidden=shape.hidden, inter=shape.inter, dtype=torch.bfloat16,
                                             device=torch.device("cuda")), own)

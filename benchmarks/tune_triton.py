@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_moe_layer import MS, ROTATE, SHAPES, Shape, graph_time_us  # noqa: E402
 
 from moe_compile.kernels.triton.configs import (  # noqa: E402
-    CONFIG_DIR, ExpertsPath, Plan, config_file_name, default_plan, device_key, pairs_eligible,
+    ExpertsPath, Plan, config_dirs, config_file_name, default_plan, device_key, pairs_eligible,
 )
 from moe_compile.kernels.triton.experts import fused_experts  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
@@ -278,7 +278,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", action="append", type=custom_shape, default=[],
                         help="a shape of your own, E,top_k,H,I (softmax top-k routing); repeatable")
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
-    parser.add_argument("--out", default=str(CONFIG_DIR))
+    parser.add_argument("--out", default=str(config_dirs()[0]),
+                        help="where the tuned files go (default: $MOE_COMPILE_CONFIG_DIR if set, else the shipped "
+                             "configs directory)")
     parser.add_argument("--log", default=None, help="where to write every timing (JSON)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")

@@ -127,3 +127,21 @@ def test_the_shipped_files_cover_their_range_without_borrowing():
         ms = [int(m) for m in json.loads(path.read_text()) if not m.startswith("_")]
         for m in (2 ** i for i in range(17)):
             assert min(abs(math.log2(e) - math.log2(m)) for e in ms) <= configs.FAR_OCTAVES, (path.name, m)
+
+
+def test_your_own_config_dir_is_searched_first(tuned_dir, tmp_path_factory, monkeypatch):
+    """``$MOE_COMPILE_CONFIG_DIR``: a file there serves its shape, shadows a shipped file of the same
+    name, and lends its plans to other shapes like the shipped ones."""
+    user = tmp_path_factory.mktemp("user_configs")
+    (user / "E64_H2048_I1024_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "512": _plan("sorted", 64, 128)}))
+    (user / "E128_H2048_I768_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "2048": _plan("sorted", 32, 64)}))
+    monkeypatch.setenv(configs.USER_DIR_ENV, str(user))
+    for cache in (configs._load, configs._device_files, configs._untuned_plan):
+        cache.cache_clear()
+    assert configs.config_dirs() == [user, tuned_dir]
+    assert _choose(1024) == Plan.from_dict(_plan("sorted", 64, 128))
+    assert _choose(2048, num_local=128, hidden=2048, inter=768) == Plan.from_dict(_plan("sorted", 32, 64))
+    # another shape at 128 rows per expert borrows the user's E128 entry, not the shadowed shipped one
+    assert _choose(2048, num_local=128, hidden=4096, inter=1536) == Plan.from_dict(_plan("sorted", 32, 64))
+    for cache in (configs._load, configs._device_files, configs._untuned_plan):
+        cache.cache_clear()

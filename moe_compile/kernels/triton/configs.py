@@ -1,6 +1,7 @@
 """Which path and which block sizes the CUDA experts use for a shape: tuned JSON, else a heuristic.
 
-Tuned files live beside this module in ``configs/`` and are written by ``benchmarks/tune_triton.py``:
+Tuned files live beside this module in ``configs/`` (and, searched first, in
+``$MOE_COMPILE_CONFIG_DIR``) and are written by ``benchmarks/tune_triton.py``:
 ``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
 ``{"path": "pairs"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
 stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used.
@@ -33,6 +34,7 @@ import functools
 import json
 import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,14 @@ from moe_compile.kernels.triton.gemm import GemmConfig
 
 log = logging.getLogger("moe_compile")
 CONFIG_DIR = Path(__file__).parent / "configs"
+USER_DIR_ENV = "MOE_COMPILE_CONFIG_DIR"  # a directory of your own tuned files, searched before CONFIG_DIR
+
+
+def config_dirs() -> list[Path]:
+    """Where tuned files are looked for: ``$MOE_COMPILE_CONFIG_DIR`` (if set), then the shipped ones.
+    Read at first use of each file (the lookups are cached)."""
+    user = os.environ.get(USER_DIR_ENV, "").strip()
+    return ([Path(user)] if user else []) + [CONFIG_DIR]
 
 
 class ExpertsPath(enum.Enum):
@@ -99,8 +109,8 @@ def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dty
 
 @functools.lru_cache(maxsize=64)
 def _load(file_name: str) -> dict[int, Plan] | None:
-    path = CONFIG_DIR / file_name
-    if not path.exists():
+    path = next((d / file_name for d in config_dirs() if (d / file_name).exists()), None)
+    if path is None:
         return None
     with open(path) as f:
         raw = json.load(f)
@@ -157,11 +167,12 @@ def _device_files(dtype_name: str, device: str) -> tuple[tuple[str, int, float, 
     """``(file, E, H, ((M, top_k, plan), ...))`` of every tuned file for ``device`` and dtype that
     records its ``_top_k`` (without it rows per expert are unknown)."""
     pattern = re.compile(rf"E(\d+)_H(\d+)_I(\d+)_{dtype_name}_{re.escape(device)}\.json")
-    out = []
-    for path in sorted(CONFIG_DIR.glob(f"*_{dtype_name}_{device}.json")):
+    out, seen = [], set()
+    for path in [p for d in config_dirs() for p in sorted(d.glob(f"*_{dtype_name}_{device}.json"))]:
         match = pattern.fullmatch(path.name)
-        if not match:
+        if not match or path.name in seen:  # a file of your own shadows the shipped one of that name
             continue
+        seen.add(path.name)
         raw = json.loads(path.read_text())
         top_k = raw.get("_top_k")
         if not isinstance(top_k, int) or top_k < 1:
@@ -213,7 +224,8 @@ def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         if found:
             _say_once(f"moe_compile: {why}; borrowing the plans tuned for the nearest rows per expert on {key} "
                       f"(e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
-                      f"{num_local},{top_k},{hidden},{inter}` tunes this shape")
+                      f"{num_local},{top_k},{hidden},{inter}` (from a moe_compile checkout; it writes to "
+                      f"${USER_DIR_ENV} when that is set) tunes this shape")
             return found[0]
     _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic")
     return default_plan(num_tokens, top_k, num_local, hidden, inter)
@@ -243,5 +255,5 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
     return plan
 
 
-__all__ = ["CONFIG_DIR", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_file_name", "default_plan",
+__all__ = ["CONFIG_DIR", "USER_DIR_ENV", "config_dirs", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_file_name", "default_plan",
            "device_key", "tuned_device_keys"]
