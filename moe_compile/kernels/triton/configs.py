@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from moe_compile.kernels.grouped_mm import cuda_capability
 from moe_compile.kernels.triton.gemm import GemmConfig
 
 log = logging.getLogger("moe_compile")
@@ -154,12 +155,8 @@ def _device_keys(device: torch.device) -> list[str]:
     key = device_key(device)
     if device.type != "cuda":
         return [key]
-    return tuned_device_keys(key, _capability(device.index if device.index is not None else torch.cuda.current_device()))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuned_device_keys(key, tuple(cuda_capability(index)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,9 +203,11 @@ def borrowed_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, d
 _SAID: set[str] = set()
 
 
-def _say_once(message: str) -> None:
-    if message not in _SAID:
-        _SAID.add(message)
+def _say_once(message: str, key: str | None = None) -> None:
+    """Log ``message`` the first time ``key`` (default: the message) comes up."""
+    key = message if key is None else key
+    if key not in _SAID:
+        _SAID.add(key)
         log.info(message)
 
 
@@ -217,7 +216,8 @@ FAR_OCTAVES = 3  # a tuned entry this many octaves of M away is another regime (
 
 @functools.lru_cache(maxsize=4096)
 def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: torch.dtype,
-                  keys: tuple[str, ...], why: str) -> Plan:
+                  keys: tuple[str, ...], why: str, said: str) -> Plan:
+    """Borrowed, else the default heuristic; says so once per ``said`` (a shape and a reason)."""
     for key in keys:
         found = borrowed_plan(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, dtype=dtype,
                               device=key)
@@ -225,9 +225,9 @@ def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             _say_once(f"moe_compile: {why}; borrowing the plans tuned for the nearest rows per expert on {key} "
                       f"(e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
                       f"{num_local},{top_k},{hidden},{inter}` (from a moe_compile checkout; it writes to "
-                      f"${USER_DIR_ENV} when that is set) tunes this shape")
+                      f"${USER_DIR_ENV} when that is set) tunes this shape", said)
             return found[0]
-    _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic")
+    _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic", said)
     return default_plan(num_tokens, top_k, num_local, hidden, inter)
 
 
@@ -241,19 +241,21 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
             name = config_file_name(num_local, hidden, inter, dtype, key)
             break
     if not table:
-        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys), f"no tuned plans {name}")
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys), f"no tuned plans {name}",
+                             f"none {name}")
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
     plan = table[best]
     if abs(math.log2(max(best, 1)) - target) > FAR_OCTAVES:
         # the file was tuned for other batch sizes only: a plan tuned for these rows per expert
         return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys),
-                             f"{name} has no entry within {2 ** FAR_OCTAVES}x of {num_tokens} tokens")
+                             f"{name} has no entry within {2 ** FAR_OCTAVES}x of {num_tokens} tokens (nor of other "
+                             "batch sizes this far from its entries; said once)", f"far {name}")
     if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
         return default_plan(num_tokens, top_k, num_local, hidden, inter)
     return plan
 
 
-__all__ = ["CONFIG_DIR", "USER_DIR_ENV", "config_dirs", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_file_name", "default_plan",
-           "device_key", "tuned_device_keys"]
+__all__ = ["CONFIG_DIR", "USER_DIR_ENV", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_dirs",
+           "config_file_name", "default_plan", "device_key", "tuned_device_keys"]
