@@ -1,4 +1,4 @@
-"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu|cuda}``."""
+"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu|cuda, plan --shape E,top_k,H,I}``."""
 from __future__ import annotations
 
 import argparse
@@ -66,6 +66,37 @@ def selfcheck(args) -> int:
     return selfcheck_main(["--device", args.device] + (["--interpret"] if args.interpret else []))
 
 
+def plan(args) -> int:
+    """Which CUDA experts plan each token count would run for a shape, and where it comes from."""
+    from moe_compile.kernels.triton import configs
+
+    try:
+        experts, top_k, hidden, inter = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        print(f"--shape {args.shape!r}: expected four integers E,top_k,H,I", file=sys.stderr)
+        return 2
+    if min(experts, top_k, hidden, inter) < 1 or top_k > experts:
+        print(f"--shape {args.shape!r}: sizes must be positive and top_k <= E", file=sys.stderr)
+        return 2
+    if args.device_key:
+        key, capability = args.device_key, (9, 0) if args.sm90 else None
+    elif torch.cuda.is_available():
+        key = configs.device_key(torch.device("cuda"))
+        capability = tuple(torch.cuda.get_device_capability())
+    else:
+        key, capability = configs.SM90_TUNED, (9, 0)
+        print(f"(no CUDA device here: showing what an {key} would run)")
+    keys = tuple(configs.tuned_device_keys(key, capability))
+    dtype = getattr(torch, args.dtype)
+    print(f"shape E={experts} top_k={top_k} H={hidden} I={inter} {args.dtype} on {key}; "
+          f"tuned files from {', '.join(str(d) for d in configs.config_dirs())}")
+    for m in args.tokens:
+        chosen, source = configs.plan_and_source(num_tokens=m, top_k=top_k, num_local=experts, hidden=hidden,
+                                                 inter=inter, dtype=dtype, keys=keys)
+        print(f"M={m:<6d} {configs.describe_plan(chosen)}\n         from {source}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_compile")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -88,6 +119,13 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="npu", choices=["npu", "cuda"])
     p.add_argument("--interpret", action="store_true", help="cuda: run on the CPU under Triton's interpreter")
     p.set_defaults(fn=selfcheck)
+    p = sub.add_parser("plan", help="which CUDA experts plan each token count runs for a shape, and from where")
+    p.add_argument("--shape", required=True, help="E,top_k,H,I (experts, top-k, hidden size, expert intermediate size)")
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 2048, 8192])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device-key", default=None, help="a device's file key (e.g. NVIDIA_H200) instead of this GPU's")
+    p.add_argument("--sm90", action="store_true", help="with --device-key: the device is sm_90 (reads the H200's files)")
+    p.set_defaults(fn=plan)
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -216,8 +216,9 @@ FAR_OCTAVES = 3  # a tuned entry this many octaves of M away is another regime (
 
 @functools.lru_cache(maxsize=4096)
 def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: torch.dtype,
-                  keys: tuple[str, ...], why: str, said: str) -> Plan:
-    """Borrowed, else the default heuristic; says so once per ``said`` (a shape and a reason)."""
+                  keys: tuple[str, ...], why: str, said: str) -> tuple[Plan, str]:
+    """Borrowed, else the default heuristic, and where it came from; says so once per ``said`` (a
+    shape and a reason)."""
     for key in keys:
         found = borrowed_plan(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, dtype=dtype,
                               device=key)
@@ -226,14 +227,16 @@ def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
                       f"(e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
                       f"{num_local},{top_k},{hidden},{inter}` (from a moe_compile checkout; it writes to "
                       f"${USER_DIR_ENV} when that is set) tunes this shape", said)
-            return found[0]
+            return found[0], f"borrowed: {found[1]} ({why})"
     _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic", said)
-    return default_plan(num_tokens, top_k, num_local, hidden, inter)
+    return default_plan(num_tokens, top_k, num_local, hidden, inter), f"default heuristic ({why}, none to borrow)"
 
 
-def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
-                dtype: torch.dtype, device: torch.device) -> Plan:
-    keys = _device_keys(device)
+def plan_and_source(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, dtype: torch.dtype,
+                    keys: tuple[str, ...]) -> tuple[Plan, str]:
+    """``choose_plan`` for the tuned files of device keys ``keys`` (see ``tuned_device_keys``), and
+    where the plan came from: ``tuned: FILE M=...``, ``borrowed: FILE M=... (why)`` or ``default
+    heuristic (why)``."""
     table, name = None, config_file_name(num_local, hidden, inter, dtype, keys[0])
     for key in keys:
         table = _load(config_file_name(num_local, hidden, inter, dtype, key))
@@ -241,21 +244,39 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
             name = config_file_name(num_local, hidden, inter, dtype, key)
             break
     if not table:
-        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys), f"no tuned plans {name}",
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, keys, f"no tuned plans {name}",
                              f"none {name}")
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
     plan = table[best]
     if abs(math.log2(max(best, 1)) - target) > FAR_OCTAVES:
         # the file was tuned for other batch sizes only: a plan tuned for these rows per expert
-        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, tuple(keys),
+        return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, keys,
                              f"{name} has no entry within {2 ** FAR_OCTAVES}x of {num_tokens} tokens (nor of other "
                              "batch sizes this far from its entries; said once)", f"far {name}")
     if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
-        return default_plan(num_tokens, top_k, num_local, hidden, inter)
-    return plan
+        return (default_plan(num_tokens, top_k, num_local, hidden, inter),
+                f"default heuristic ({name} M={best} is a decode plan; this batch's pairs share experts)")
+    return plan, f"tuned: {name} M={best}"
+
+
+def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                dtype: torch.dtype, device: torch.device) -> Plan:
+    return plan_and_source(num_tokens=num_tokens, top_k=top_k, num_local=num_local, hidden=hidden, inter=inter,
+                           dtype=dtype, keys=tuple(_device_keys(device)))[0]
+
+
+def describe_plan(plan: Plan) -> str:
+    """One line: the path and each GEMM's tile, warps, stages and options."""
+    def gemm(g: GemmConfig) -> str:
+        opts = [name for name, on in (("tma", g.tma), (f"persistent={g.persistent}", g.persistent),
+                                      (f"tail={g.tail_m}", g.tail_m), ("by-expert", g.expert_order)) if on]
+        return f"{g.block_m}x{g.block_n}x{g.block_k} w{g.num_warps} s{g.num_stages} g{g.group_m}" + (
+            " " + " ".join(opts) if opts else "")
+    extra = " pre-gathered" if plan.pre_gather else ""
+    return f"{plan.path.value}{extra} | gemm1 {gemm(plan.gemm1)} | gemm2 {gemm(plan.gemm2)}"
 
 
 __all__ = ["CONFIG_DIR", "USER_DIR_ENV", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_dirs",
-           "config_file_name", "default_plan", "device_key", "tuned_device_keys"]
+           "config_file_name", "default_plan", "describe_plan", "device_key", "plan_and_source", "tuned_device_keys"]
