@@ -46,7 +46,7 @@ def demo(args) -> int:
 
 def inspect(args) -> int:
     import moe_compile
-    from moe_compile.testing.zoo import MOE_FAMILIES, build_inputs, build_model
+    from moe_compile.testing.zoo import MOE_FAMILIES, build_model
 
     if args.model_type not in MOE_FAMILIES:
         print("unknown model type %r; known: %s" % (args.model_type, ", ".join(sorted(MOE_FAMILIES))),
