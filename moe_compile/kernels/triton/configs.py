@@ -14,7 +14,8 @@ GPU without files of its own (an H100) reads the H200's, which were tuned on the
 shape's own file whose nearest entry lies more than ``FAR_OCTAVES`` octaves of ``M`` away (a file
 tuned for other batch sizes only) is passed over the same way.
 ``benchmarks/tune_triton.py --shape E,top_k,H,I`` tunes a shape of your own. Without any file: the
-fixed heuristic of ``default_plan``.
+fixed heuristic of ``default_plan``. ``python -m moe_compile plan --shape E,top_k,H,I`` prints
+which plan each token count gets and where it came from (``plan_and_source``).
 
 Paths:
 
