@@ -161,6 +161,16 @@ def point(text: str) -> tuple[str, int]:
     return name, int(m)
 
 
+def cuda_or_say(script: str) -> bool:
+    """Whether a CUDA device is here; without one, says that ``script`` needs it (on stderr), so the
+    script can return 2 instead of failing in its first kernel; with one, prints the device and torch."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA device", file=sys.stderr)
+        return False
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    return True
+
+
 def write_json(out_dir: str | Path | None, name: str, result) -> None:
     """``result`` as ``out_dir/name`` (indented JSON); nothing without an ``out_dir``."""
     if out_dir:
@@ -350,12 +360,10 @@ def main(argv=None) -> int:
     if args.no_pdl:
         pdl.FORCE = False
     align.FORCE = args.align_method
-    if not torch.cuda.is_available():
-        print("bench_moe_layer needs a CUDA device", file=sys.stderr)
+    if not cuda_or_say("bench_moe_layer"):
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     print(HEADER, flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rotate": ROTATE,
             "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv,

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, MS, SHAPES, Shape, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, MS, SHAPES, Shape, cuda_or_say, write_json  # noqa: E402
 from tune_triton import hf_layout_weights, problem, reference_output, time_plan  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no point after this")
     parser.add_argument("--out", default=None, help="directory for untuned_plans.json")
     args = parser.parse_args(argv)
+    if not cuda_or_say("bench_untuned"):
+        return 2
     deadline = time.time() + args.budget_s
     rows = []
     for name in args.shapes:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_e2e import build, timed  # noqa: E402
+from bench_moe_layer import cuda_or_say  # noqa: E402
 
 
 def kernels_per_call(fn, calls: int = 5) -> dict[str, tuple[float, float]]:
@@ -79,8 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("probe_decode1 needs a CUDA device", file=sys.stderr)
+    if not cuda_or_say("probe_decode1"):
         return 2
     for name in args.models:
         run(name, args.layers, args.reps)

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import ROTATE, SHAPES, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import ROTATE, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 
 from moe_compile.kernels.triton.configs import CONFIG_DIR, ExpertsPath, Plan, config_file_name, device_key  # noqa: E402
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
@@ -125,10 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--apply", action="store_true", help="write the winning GEMV plans into the tuned configs")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("probe_gemv needs a CUDA device", file=sys.stderr)
+    if not cuda_or_say("probe_gemv"):
         return 2
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     rows = []
     for name, m in args.points:
         rows.append(run_point(name, m, args.reps))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import ROTATE, SHAPES, build_hf_block, graph_time_us, our_layer, write_json  # noqa: E402
+from bench_moe_layer import ROTATE, SHAPES, build_hf_block, cuda_or_say, graph_time_us, our_layer, write_json  # noqa: E402
 
 from moe_compile.kernels.triton import router  # noqa: E402
 from moe_compile.kernels.triton.gemm import num_programs  # noqa: E402
@@ -119,10 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("probe_router_bf16 needs a CUDA device", file=sys.stderr)
+    if not cuda_or_say("probe_router_bf16"):
         return 2
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "alone": [], "layer": []}
     for name in args.routers:
         result["alone"] += alone(name, args.tokens, args.reps)

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem, write_table  # noqa: E402
 
@@ -179,6 +179,8 @@ def main(argv=None) -> int:
     if args.apply_from:
         print("\n".join(apply_best(json.loads(Path(args.apply_from).read_text())["rows"])) or "nothing to change")
         return 0
+    if not cuda_or_say("sweep_gemm"):
+        return 2
     deadline = time.time() + args.budget_s
     rows = []
     for name, m in args.points:

@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import MS, ROTATE, SHAPES, Shape, graph_time_us  # noqa: E402
+from bench_moe_layer import MS, ROTATE, SHAPES, Shape, cuda_or_say, graph_time_us  # noqa: E402
 
 from moe_compile.kernels.triton.configs import (  # noqa: E402
-    ExpertsPath, Plan, config_dirs, config_file_name, default_plan, device_key, pairs_eligible,
+    ExpertsPath, Plan, config_dirs, config_file_name, default_plan, device_key, pairs_eligible, parse_shape,
 )
 from moe_compile.kernels.triton.experts import fused_experts  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
@@ -250,11 +250,9 @@ def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: l
 def custom_shape(spec: str) -> Shape:
     """``"E,top_k,H,I"`` -> a shape with softmax top-k routing (renormalised), named by its sizes."""
     try:
-        e, k, h, i = (int(v) for v in spec.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--shape {spec!r}: expected four integers E,top_k,H,I") from None
-    if min(e, k, h, i) < 1 or k > e:
-        raise argparse.ArgumentTypeError(f"--shape {spec!r}: sizes must be positive and top_k <= E")
+        e, k, h, i = parse_shape(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--{exc}") from None
     return Shape(f"E{e}_k{k}_H{h}_I{i}", e, k, h, i, dict(routing_method="softmax", renormalize=True))
 
 
@@ -289,6 +287,8 @@ def main(argv=None) -> int:
                              "pre-gathered, neighbouring tiles) side by side with it; keep the fastest")
     parser.add_argument("--session", type=int, default=0, help="(refine) a tag for the log rows")
     args = parser.parse_args(argv)
+    if not cuda_or_say("tune_triton"):
+        return 2
     start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -71,12 +71,9 @@ def plan(args) -> int:
     from moe_compile.kernels.triton import configs
 
     try:
-        experts, top_k, hidden, inter = (int(v) for v in args.shape.split(","))
-    except ValueError:
-        print(f"--shape {args.shape!r}: expected four integers E,top_k,H,I", file=sys.stderr)
-        return 2
-    if min(experts, top_k, hidden, inter) < 1 or top_k > experts:
-        print(f"--shape {args.shape!r}: sizes must be positive and top_k <= E", file=sys.stderr)
+        experts, top_k, hidden, inter = configs.parse_shape(args.shape)
+    except ValueError as exc:
+        print(f"--{exc}", file=sys.stderr)
         return 2
     if args.device_key:
         key, capability = args.device_key, (9, 0) if args.sm90 else None

@@ -147,3 +147,22 @@ def test_your_own_config_dir_is_searched_first(tuned_dir, tmp_path_factory, monk
     assert _choose(2048, num_local=128, hidden=4096, inter=1536) == Plan.from_dict(_plan("sorted", 32, 64))
     for cache in (configs._load, configs._device_files, configs._untuned_plan):
         cache.cache_clear()
+
+
+def test_a_decode_entry_for_a_larger_batch_falls_back_and_says_why(tuned_dir):
+    (tuned_dir / "E64_H2048_I1024_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "1": _plan("pairs", 16, 64)}))
+    with captured_logs(logging.INFO) as messages:
+        plan, source = configs.plan_and_source(num_tokens=6, top_k=8, num_local=64, hidden=2048, inter=1024,
+                                               dtype=torch.bfloat16, keys=("cpu",))
+        configs.plan_and_source(num_tokens=7, top_k=8, num_local=64, hidden=2048, inter=1024,
+                                dtype=torch.bfloat16, keys=("cpu",))
+    assert plan == configs.default_plan(6, 8, 64, 2048, 1024) and source.startswith("default heuristic (")
+    said = [m for m in messages if "is a decode plan" in m]
+    assert len(said) == 1 and "E64_H2048_I1024_bf16_cpu.json M=1" in said[0]
+
+
+def test_parse_shape_names_the_shape():
+    assert configs.parse_shape("128,8,4096,1536") == (128, 8, 4096, 1536)
+    for bad in ("128,8,4096", "x,8,4096,1536", "8,16,4096,1536", "0,1,2,3"):
+        with pytest.raises(ValueError, match="shape"):
+            configs.parse_shape(bad)

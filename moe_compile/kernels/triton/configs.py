@@ -141,6 +141,18 @@ def default_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     return Plan(ExpertsPath.SORTED, g1, g2)
 
 
+def parse_shape(spec: str) -> tuple[int, int, int, int]:
+    """``"E,top_k,H,I"`` (experts, top-k, hidden size, expert intermediate size) -> the four ints;
+    ``ValueError`` naming ``shape`` otherwise."""
+    try:
+        experts, top_k, hidden, inter = (int(v) for v in spec.split(","))
+    except ValueError:
+        raise ValueError(f"shape {spec!r}: expected four integers E,top_k,H,I") from None
+    if min(experts, top_k, hidden, inter) < 1 or top_k > experts:
+        raise ValueError(f"shape {spec!r}: sizes must be positive and top_k <= E")
+    return experts, top_k, hidden, inter
+
+
 SM90_TUNED = "NVIDIA_H200"  # the sm_90 device whose files other sm_90 devices read
 
 
@@ -257,8 +269,9 @@ def plan_and_source(*, num_tokens: int, top_k: int, num_local: int, hidden: int,
                              "batch sizes this far from its entries; said once)", f"far {name}")
     if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
-        return (default_plan(num_tokens, top_k, num_local, hidden, inter),
-                f"default heuristic ({name} M={best} is a decode plan; this batch's pairs share experts)")
+        why = f"{name} M={best} is a decode plan and {num_tokens} tokens' pairs share experts"
+        _say_once(f"moe_compile: {why}; using the default heuristic (said once per file)", f"decode {name}")
+        return default_plan(num_tokens, top_k, num_local, hidden, inter), f"default heuristic ({why})"
     return plan, f"tuned: {name} M={best}"
 
 
@@ -280,4 +293,5 @@ def describe_plan(plan: Plan) -> str:
 
 
 __all__ = ["CONFIG_DIR", "USER_DIR_ENV", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_dirs",
-           "config_file_name", "default_plan", "describe_plan", "device_key", "plan_and_source", "tuned_device_keys"]
+           "config_file_name", "default_plan", "describe_plan", "device_key", "parse_shape", "plan_and_source",
+           "tuned_device_keys"]
