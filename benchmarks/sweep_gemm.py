@@ -1,6 +1,6 @@
 """Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
 
-    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy|swap] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
 
 ``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
 each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
@@ -19,6 +19,10 @@ turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
 Tenth session: ``--variants occupancy`` times tiles small enough for two or three CTAs per SM.
+Eleventh session: ``--variants swap`` runs an expert's short last block as a transposed tile
+(``GemmConfig.tail_swap``), and also times the tuned config on a balanced routing (every expert the
+same number of rows, whole blocks at four of the six points): what the GEMM would cost with no
+partial blocks at all, the most any tail handling can gain.
 """
 from __future__ import annotations
 
@@ -64,6 +68,12 @@ VARIANTS = {
         2: [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 8, 2),
             (128, 128, 64, 8, 2)],
     },
+    # an expert's last block of at most tail_m rows as a transposed tile (W^T @ A^T), and no tails
+    "swap": {
+        1: [dict(tail_m=t, tail_swap=1) for t in (16, 32, 64)] + [dict(tail_m=0)],
+        2: [dict(tail_m=t, tail_swap=1) for t in (16, 32, 64)]
+        + [dict(tail_m=t, tail_swap=1, persistent=0) for t in (32, 64)] + [dict(tail_m=0)],
+    },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
@@ -72,6 +82,9 @@ def variant(cfg, v):
     if isinstance(v, int):
         return replace(cfg, group_m=v)
     if isinstance(v, dict):
+        v = dict(v)
+        if v.get("tail_m", 0) >= cfg.block_m:  # no tail tile as large as a block
+            return cfg
         return replace(cfg, **v)
     fields = dict(zip(FIELDS, v))
     tail = cfg.tail_m if 0 < cfg.tail_m < fields["block_m"] else 0
@@ -102,6 +115,11 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
         return s["y"]
 
     row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits, "gemm1": [], "gemm2": []}
+    balanced = None
+    if kind == "swap":  # pair p -> expert p % E: every expert the same rows (a token's k experts distinct)
+        x0, w0, ids0 = calls[0]
+        ids_bal = (torch.arange(ids0.numel(), device=ids0.device) % shape.num_experts).view_as(ids0).to(ids0.dtype)
+        balanced = stage_inputs(shape, m, [(x0, w0, ids_bal)])
     print(f"\n{name} M={m} plan {plan.path.value} pre_gather={pre}", flush=True)
     for gemm, n_w, tuned in ((1, 2 * h * i, plan.gemm1), (2, h * i, plan.gemm2)):
         bound = max(hits * n_w * 2 / HBM_BYTES_PER_S, 2 * pairs * n_w / BF16_FLOP_PER_S) * 1e6
@@ -114,8 +132,9 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
             if time.time() > deadline:
                 print("  budget spent; stopping", flush=True)
                 return row
-            tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m} "
-                   f"g{cfg.group_m}{' by-expert' if cfg.expert_order else ''}")
+            tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m}"
+                   f"{' swapped' if cfg.tail_swap else ''} p{cfg.persistent} g{cfg.group_m}"
+                   f"{' by-expert' if cfg.expert_order else ''}")
             try:
                 out = run(gemm, cfg, st[0]).float()
                 err = ((out - ref).norm() / ref.norm()).item()
@@ -129,6 +148,12 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
             row[f"gemm{gemm}"].append({"config": asdict(cfg), "us": us, "tuned": cfg == tuned})
             print(f"  gemm{gemm} {tag}{' (tuned)' if cfg == tuned else ''}: {us:9.1f} us "
                   f"{us / bound:5.2f}x its bound", flush=True)
+        if kind == "swap" and time.time() < deadline:
+            us = graph_time_us(lambda s, g=gemm: run(g, tuned, s), balanced, reps)
+            row[f"gemm{gemm} balanced"] = us
+            counts = balanced[0]["al"].counts
+            print(f"  gemm{gemm} tuned on a balanced routing ({int(counts.min())}-{int(counts.max())} rows per "
+                  f"expert): {us:9.1f} us {us / bound:5.2f}x its bound", flush=True)
     del weights, calls, st
     torch.cuda.empty_cache()
     return row

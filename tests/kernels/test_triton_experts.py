@@ -317,14 +317,21 @@ def test_persistent_batched_gemm_matches_the_grid_launch():
 @pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
 @pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
 @pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
-def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
+@pytest.mark.parametrize("swap", [0, 1], ids=["tail", "swapped-tail"])
+def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map, swap):
     """``tail_m``: an expert's last block with few rows runs as a smaller tile (pointer loads for
-    A); experts here get full blocks, tails under and over ``tail_m`` rows, and no rows at all."""
+    A), with ``tail_swap`` transposed (W^T @ A^T); experts here get full blocks, tails under and
+    over ``tail_m`` rows, and no rows at all. The swapped case also has a K that is not a whole
+    number of K-steps."""
     from dataclasses import replace
 
     tokens, hidden, inter, num_experts, top_k = (37, 32, 32, 5, 2) if not CUDA else (1500, 256, 256, 16, 4)
     base = TINY if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3)
-    g = replace(base, persistent=persistent, tma=1, tail_m=base.block_m // 2)
+    if swap and not CUDA:  # the swapped tile's rows are an MMA's N side: at least 16
+        tokens, hidden, base = 70, 40, replace(TINY, block_m=32)
+    elif swap:
+        hidden = 288
+    g = replace(base, persistent=persistent, tma=1, tail_m=base.block_m // 2, tail_swap=swap)
     num_global = num_experts + 2 if with_map else num_experts
     for seed in range(100):  # the first routing with every kind of block in it
         gen = torch.Generator().manual_seed(seed)

@@ -49,6 +49,7 @@ class GemmConfig:
     persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
     tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
     expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
+    tail_swap: int = 0  # 1: a tail tile runs swapped, W^T @ A^T, its tail_m rows as the MMA's narrow N side
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -165,6 +166,77 @@ def _gemm_tile(
 
 
 @triton.jit
+def _gemm_tile_swapped(
+    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc,
+    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    up_off, col_mult, alpha, limit,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
+):
+    """The tile of ``_gemm_tile`` computed transposed, ``out^T = W^T @ A^T``: the weight tile
+    (``BLOCK_N`` columns, K-major as TMA or HF storage gives it) is the MMA's wide M side and the
+    ``BLOCK_M`` rows its narrow N side, which the tensor cores take down to 16 (the row side of a
+    normal tile cannot go below 64 per warpgroup). So an expert's short last block costs about
+    its rows, not a whole padded tile."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    if GATHER_A:
+        a_rows = tl.load(sorted_ptr + rows, mask=rmask, other=0) // TOP_K
+    else:
+        a_rows = rows
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k = tl.arange(0, BLOCK_K)
+    at_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_am + k[:, None] * stride_ak  # [BLOCK_K, BLOCK_M]
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    gt_ptrs = w_base + k[None, :] * stride_wk + (n * col_mult)[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K]
+    ut_ptrs = gt_ptrs + up_off * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    w_row = e * N_total + pid_n * BLOCK_N
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            at = tl.load(at_ptrs, mask=rmask[None, :], other=0.0)
+        else:
+            kmask = (k0 + k) < K
+            at = tl.load(at_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
+        if W_TMA:
+            wg = w_desc.load([w_row, k0])
+        elif EVEN_K:
+            wg = tl.load(gt_ptrs, mask=nmask[:, None], other=0.0)
+        else:
+            wg = tl.load(gt_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(wg, at, acc_g, input_precision="ieee")
+        else:
+            acc_g = tl.dot(wg, at, acc_g)
+        if GATED:
+            if W_TMA:
+                wu = w_desc.load([w_row + up_off, k0])
+            elif EVEN_K:
+                wu = tl.load(ut_ptrs, mask=nmask[:, None], other=0.0)
+            else:
+                wu = tl.load(ut_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if IEEE:
+                acc_u = tl.dot(wu, at, acc_u, input_precision="ieee")
+            else:
+                acc_u = tl.dot(wu, at, acc_u)
+            ut_ptrs += BLOCK_K * stride_wk
+        at_ptrs += BLOCK_K * stride_ak
+        gt_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_base = bias_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            acc_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    if ACT >= 0:
+        acc_g = apply_act(acc_g, acc_u, alpha, limit, ACT)
+    out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None]
+    tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & rmask[None, :])
+
+
+@triton.jit
 def _block_tile(
     e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
@@ -172,12 +244,17 @@ def _block_tile(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr, TAIL_M: tl.constexpr,
+    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, TAIL_SWAP: tl.constexpr = False,
 ):
     """An M-block's tile; with ``TAIL_M`` an expert's last block holding at most ``TAIL_M`` rows
     runs as a ``TAIL_M``-row tile (A by pointer loads), so a block that is mostly padding costs
-    a fraction of a full one."""
-    if TAIL_M > 0 and row_end - row0 <= TAIL_M:
+    a fraction of a full one; ``TAIL_SWAP``: that tile runs transposed (``_gemm_tile_swapped``)."""
+    if TAIL_SWAP and row_end - row0 <= TAIL_M:
+        _gemm_tile_swapped(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc,
+                           N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be,
+                           stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, GATED, ACT,
+                           HAS_BIAS, EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA)
+    elif TAIL_M > 0 and row_end - row0 <= TAIL_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
@@ -233,7 +310,7 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False,
+    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, TAIL_SWAP: tl.constexpr = False,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
@@ -255,7 +332,7 @@ def _moe_gemm_kernel(
             _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                         N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
+                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, TAIL_SWAP)
     else:
         if EXPERT_ORDER:
             pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
@@ -269,7 +346,7 @@ def _moe_gemm_kernel(
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M)
+                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, TAIL_SWAP)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -382,6 +459,7 @@ def moe_gemm(
         return out
     interleaved = gated and experts.gate_up_interleaved
     cfg = config
+    tail_m = cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
     tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
     persistent = bool(cfg.persistent) and not pair_blocks
@@ -407,7 +485,7 @@ def moe_gemm(
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
-        BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
+        BATCHED=row_stride > 0, TAIL_M=tail_m, TAIL_SWAP=bool(cfg.tail_swap) and tail_m >= 16,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
