@@ -1,6 +1,6 @@
 """Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
 
-    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy|swap] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy|merge] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
 
 ``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
 each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
@@ -19,10 +19,11 @@ turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
 Tenth session: ``--variants occupancy`` times tiles small enough for two or three CTAs per SM.
-Eleventh session: ``--variants swap`` runs an expert's short last block as a transposed tile
-(``GemmConfig.tail_swap``), and also times the tuned config on a balanced routing (every expert the
-same number of rows, whole blocks at four of the six points): what the GEMM would cost with no
-partial blocks at all, the most any tail handling can gain.
+Eleventh session: ``--variants merge`` lets an expert's last block take up to ``merge_m`` rows
+past a full block, computed transposed on the same weight tiles (``GemmConfig.merge_m``), and also
+times the tuned config on a balanced routing (every expert the same number of rows, whole blocks at
+four of the six points): what the GEMM would cost with no partial blocks at all, the most any
+handling of the last blocks can gain.
 """
 from __future__ import annotations
 
@@ -68,11 +69,10 @@ VARIANTS = {
         2: [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 256, 64, 4, 2), (64, 128, 64, 4, 3), (64, 256, 64, 8, 2),
             (128, 128, 64, 8, 2)],
     },
-    # an expert's last block of at most tail_m rows as a transposed tile (W^T @ A^T), and no tails
-    "swap": {
-        1: [dict(tail_m=t, tail_swap=1) for t in (16, 32, 64)] + [dict(tail_m=0)],
-        2: [dict(tail_m=t, tail_swap=1) for t in (16, 32, 64)]
-        + [dict(tail_m=t, tail_swap=1, persistent=0) for t in (32, 64)] + [dict(tail_m=0)],
+    # an expert's last block takes up to merge_m more rows (transposed, on the same weight tiles)
+    "merge": {
+        1: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=32, tail_m=0)],
+        2: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=m, persistent=0) for m in (32, 64)],
     },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
@@ -83,8 +83,8 @@ def variant(cfg, v):
         return replace(cfg, group_m=v)
     if isinstance(v, dict):
         v = dict(v)
-        if v.get("tail_m", 0) >= cfg.block_m:  # no tail tile as large as a block
-            return cfg
+        if v.get("tail_m", 0) >= cfg.block_m or v.get("merge_m", 0) >= cfg.block_m:
+            return cfg  # no tail tile as large as a block, no more rows merged than a block
         return replace(cfg, **v)
     fields = dict(zip(FIELDS, v))
     tail = cfg.tail_m if 0 < cfg.tail_m < fields["block_m"] else 0
@@ -116,7 +116,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
 
     row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits, "gemm1": [], "gemm2": []}
     balanced = None
-    if kind == "swap":  # pair p -> expert p % E: every expert the same rows (a token's k experts distinct)
+    if kind == "merge":  # pair p -> expert p % E: every expert the same rows (a token's k experts distinct)
         x0, w0, ids0 = calls[0]
         ids_bal = (torch.arange(ids0.numel(), device=ids0.device) % shape.num_experts).view_as(ids0).to(ids0.dtype)
         balanced = stage_inputs(shape, m, [(x0, w0, ids_bal)])
@@ -133,7 +133,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
                 print("  budget spent; stopping", flush=True)
                 return row
             tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m}"
-                   f"{' swapped' if cfg.tail_swap else ''} p{cfg.persistent} g{cfg.group_m}"
+                   f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''} p{cfg.persistent} g{cfg.group_m}"
                    f"{' by-expert' if cfg.expert_order else ''}")
             try:
                 out = run(gemm, cfg, st[0]).float()
@@ -148,7 +148,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
             row[f"gemm{gemm}"].append({"config": asdict(cfg), "us": us, "tuned": cfg == tuned})
             print(f"  gemm{gemm} {tag}{' (tuned)' if cfg == tuned else ''}: {us:9.1f} us "
                   f"{us / bound:5.2f}x its bound", flush=True)
-        if kind == "swap" and time.time() < deadline:
+        if kind == "merge" and time.time() < deadline:
             us = graph_time_us(lambda s, g=gemm: run(g, tuned, s), balanced, reps)
             row[f"gemm{gemm} balanced"] = us
             counts = balanced[0]["al"].counts

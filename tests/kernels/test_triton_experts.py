@@ -317,21 +317,14 @@ def test_persistent_batched_gemm_matches_the_grid_launch():
 @pytest.mark.parametrize("persistent", [0, 1], ids=["grid", "persistent"])
 @pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
 @pytest.mark.parametrize("with_map", [False, True], ids=["all-local", "expert-map"])
-@pytest.mark.parametrize("swap", [0, 1], ids=["tail", "swapped-tail"])
-def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map, swap):
+def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
     """``tail_m``: an expert's last block with few rows runs as a smaller tile (pointer loads for
-    A), with ``tail_swap`` transposed (W^T @ A^T); experts here get full blocks, tails under and
-    over ``tail_m`` rows, and no rows at all. The swapped case also has a K that is not a whole
-    number of K-steps."""
+    A); experts here get full blocks, tails under and over ``tail_m`` rows, and no rows at all."""
     from dataclasses import replace
 
     tokens, hidden, inter, num_experts, top_k = (37, 32, 32, 5, 2) if not CUDA else (1500, 256, 256, 16, 4)
     base = TINY if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3)
-    if swap and not CUDA:  # the swapped tile's rows are an MMA's N side: at least 16
-        tokens, hidden, base = 70, 40, replace(TINY, block_m=32)
-    elif swap:
-        hidden = 288
-    g = replace(base, persistent=persistent, tma=1, tail_m=base.block_m // 2, tail_swap=swap)
+    g = replace(base, persistent=persistent, tma=1, tail_m=base.block_m // 2)
     num_global = num_experts + 2 if with_map else num_experts
     for seed in range(100):  # the first routing with every kind of block in it
         gen = torch.Generator().manual_seed(seed)
@@ -346,6 +339,52 @@ def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map, swap
     x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
     _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights)
 
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent-flat"])
+@pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
+@pytest.mark.parametrize("order", ["grouped", "by-expert", "tails"])
+def test_merged_last_blocks(persistent, pre_gather, order):
+    """``merge_m``: an expert's last block takes up to ``block_m + merge_m`` rows, the extra ones
+    computed transposed on the same weight tiles. The routing has experts of exactly one block,
+    one block plus a few rows (merged), plus more than ``merge_m`` (a block of their own), fewer
+    than ``merge_m`` rows in all, and none; with bias, an expert map, and a K that is not a whole
+    number of K-steps."""
+    from dataclasses import replace
+
+    tokens, hidden, inter, num_experts, top_k = (70, 40, 32, 6, 2) if not CUDA else (1500, 288, 256, 16, 4)
+    base = replace(TINY, block_m=32, merge_m=16) if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3, merge_m=32)
+    g = replace(base, persistent=persistent, tma=1, expert_order=int(order == "by-expert"),
+                tail_m=base.block_m // 2 if order == "tails" else 0)
+    num_global = num_experts + 2
+    for seed in range(200):  # the first routing with every kind of last block in it
+        gen = torch.Generator().manual_seed(seed)
+        skew = torch.linspace(2.0, -2.0, num_global)[torch.randperm(num_global, generator=gen)]
+        topk_w, topk_ids = (torch.randn(tokens, num_global, generator=gen) + skew).softmax(-1).topk(top_k)
+        topk_w, topk_ids = topk_w.to(DEV), topk_ids.int().to(DEV)
+        counts = torch.bincount(topk_ids.flatten().long().cpu(), minlength=num_global)[:num_experts]
+        rem = counts - g.block_m * torch.div(counts, g.block_m, rounding_mode="floor")
+        big = counts > g.block_m
+        if ((big & (rem > 0) & (rem <= g.merge_m)).any() and (big & (rem > g.merge_m)).any()
+                and ((counts > 0) & (counts <= g.merge_m)).any()):
+            break
+    else:
+        raise AssertionError("no routing with merged, unmerged and small last blocks")
+    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    plan = _assert_sorted_plan_matches(g, pre_gather, True, num_global, x, topk_w, topk_ids, weights)
+    assert Plan.from_dict(plan.to_dict()) == plan
+
+
+def test_merge_m_must_be_an_mma_side():
+    from dataclasses import replace
+
+    a = torch.zeros(4, 32, device=DEV, dtype=DTYPE)
+    w = torch.zeros(2, 32, 16, device=DEV, dtype=DTYPE)
+    counts = torch.tensor([4, 0], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="merge_m=24"):
+        moe_gemm(a, w, torch.zeros(4, 16, device=DEV, dtype=DTYPE), topk_ids=counts, top_k=1, counts=counts,
+                 sorted_pair=None, gather_a=False, config=replace(TINY, merge_m=24))
 
 def _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights):
     """``fused_experts`` on the sorted path with GEMM config ``g`` against the reference; with

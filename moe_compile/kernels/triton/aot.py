@@ -31,7 +31,7 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, TAIL_SWAP=False)
+            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, MERGE_M=0)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
@@ -49,12 +49,12 @@ VARIANTS = {
     "persistent-gemm2-tail-tma": dict(PERSISTENT=True, FLATTEN=False, BLOCK_M=128, TAIL_M=64, GATHER_A=False,
                                       GATED=False, ACT=-1, W_TMA=True, A_TMA=True, w_desc=DESC,
                                       a_desc="tensordesc<bf16[128, 64]>"),
-    "sorted-gemm1-swapped-tail": dict(BLOCK_M=128, BLOCK_N=128, TAIL_M=32, TAIL_SWAP=True, W_TMA=True,
-                                      w_desc="tensordesc<bf16[128, 64]>"),
-    "persistent-flat-gemm2-swapped-tail-tma": dict(PERSISTENT=True, FLATTEN=True, BLOCK_M=128, BLOCK_N=256,
-                                                   TAIL_M=64, TAIL_SWAP=True, GATHER_A=False, GATED=False, ACT=-1,
-                                                   W_TMA=True, A_TMA=True, w_desc="tensordesc<bf16[256, 64]>",
-                                                   a_desc="tensordesc<bf16[128, 64]>"),
+    "sorted-gemm1-merged-tail-tma": dict(BLOCK_M=128, BLOCK_N=128, TAIL_M=32, MERGE_M=32, W_TMA=True,
+                                         w_desc="tensordesc<bf16[128, 64]>"),
+    "persistent-flat-gemm2-merged-tma": dict(PERSISTENT=True, FLATTEN=True, BLOCK_M=128, BLOCK_N=256, MERGE_M=32,
+                                             GATHER_A=False, GATED=False, ACT=-1, W_TMA=True, A_TMA=True,
+                                             w_desc="tensordesc<bf16[256, 64]>", a_desc="tensordesc<bf16[128, 64]>"),
+    "sorted-gemm1-merged-bias": dict(MERGE_M=16, HAS_BIAS=True, EVEN_K=False),
     "persistent-flat-gemm2-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }

@@ -49,7 +49,7 @@ class GemmConfig:
     persistent: int = 0  # 1: one program per SM walks the live tiles; 2: also flatten the tile loop
     tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
     expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
-    tail_swap: int = 0  # 1: a tail tile runs swapped, W^T @ A^T, its tail_m rows as the MMA's narrow N side
+    merge_m: int = 0  # > 0: an expert's last block holds up to block_m + merge_m rows (the extra rows transposed)
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -57,11 +57,24 @@ class GemmConfig:
 
 
 @triton.jit
+def _num_blocks(counts, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
+    """M-blocks of experts holding ``counts`` rows: ``BLOCK_M`` rows each, except that with
+    ``MERGE_M`` an expert's last block takes up to ``BLOCK_M + MERGE_M`` rows (130 rows are one
+    block of 128 + 2, not two blocks)."""
+    if MERGE_M > 0:
+        nblk = tl.where(counts > MERGE_M, (counts - MERGE_M + BLOCK_M - 1) // BLOCK_M, (counts > 0).to(tl.int32))
+    else:
+        nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    return nblk
+
+
+@triton.jit
 def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                 PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                BATCHED: tl.constexpr):
+                BATCHED: tl.constexpr, MERGE_M: tl.constexpr = 0):
     """(live, expert, first row, end row) of M-block ``pid_m``; ``BATCHED``: expert ``e``'s rows
-    start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed."""
+    start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed. With
+    ``MERGE_M`` an expert's last block may end up to ``MERGE_M`` rows past ``first row + BLOCK_M``."""
     if PAIR_BLOCKS:
         e = tl.load(ids_ptr + pid_m)
         if HAS_MAP:
@@ -72,7 +85,7 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
     else:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        nblk = (counts + BLOCK_M - 1) // BLOCK_M
+        nblk = _num_blocks(counts, BLOCK_M, MERGE_M)
         blk_end = tl.cumsum(nblk, 0)
         live = pid_m < tl.sum(nblk)
         e = tl.sum((blk_end <= pid_m).to(tl.int32))
@@ -97,10 +110,15 @@ def _gemm_tile(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, EXTRA: tl.constexpr = 0,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of expert ``e``: rows ``row0 ..`` (stored below
-    ``row_end``), output columns block ``pid_n``."""
+    ``row_end``), output columns block ``pid_n``.
+
+    ``EXTRA > 0``: also the up to ``EXTRA`` rows after them, on the same weight tiles in the same
+    K-loop, computed transposed (``W^T @ A^T``: the weight tile is the MMA's wide side, these
+    rows its narrow N side, which the tensor cores take down to 16 rows). So an expert's few
+    rows past its last full block neither read the weights again nor pad a whole tile."""
     rows = row0 + tl.arange(0, BLOCK_M)
     rmask = rows < row_end
     if GATHER_A:
@@ -119,6 +137,16 @@ def _gemm_tile(
     u_ptrs = g_ptrs + up_off * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if EXTRA > 0:
+        rows2 = row0 + BLOCK_M + tl.arange(0, EXTRA)
+        rmask2 = rows2 < row_end
+        if GATHER_A:
+            a2_rows = tl.load(sorted_ptr + rows2, mask=rmask2, other=0) // TOP_K
+        else:
+            a2_rows = rows2
+        a2t_ptrs = a_ptr + a2_rows[None, :].to(tl.int64) * stride_am + k[:, None] * stride_ak  # [BLOCK_K, EXTRA]
+        acc2_g = tl.zeros([BLOCK_N, EXTRA], dtype=tl.float32)
+        acc2_u = tl.zeros([BLOCK_N, EXTRA], dtype=tl.float32)
     # TMA: W is [E * N_total, K] K-major (the caller checked it), whole N-blocks inside one expert
     w_row = e * N_total + pid_n * BLOCK_N
     for k0 in range(0, K, BLOCK_K):
@@ -129,6 +157,11 @@ def _gemm_tile(
         else:
             kmask = (k0 + k) < K
             a = tl.load(a_ptrs, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if EXTRA > 0:
+            if EVEN_K:
+                a2t = tl.load(a2t_ptrs, mask=rmask2[None, :], other=0.0)
+            else:
+                a2t = tl.load(a2t_ptrs, mask=((k0 + k) < K)[:, None] & rmask2[None, :], other=0.0)
         if W_TMA:
             wg = w_desc.load([w_row, k0]).T
         elif EVEN_K:
@@ -140,6 +173,11 @@ def _gemm_tile(
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
         else:
             acc_g = tl.dot(a, wg, acc_g)
+        if EXTRA > 0:
+            if IEEE:
+                acc2_g = tl.dot(wg.T, a2t, acc2_g, input_precision="ieee")
+            else:
+                acc2_g = tl.dot(wg.T, a2t, acc2_g)
         if GATED:
             if W_TMA:
                 wu = w_desc.load([w_row + up_off, k0]).T
@@ -151,9 +189,16 @@ def _gemm_tile(
                 acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
             else:
                 acc_u = tl.dot(a, wu, acc_u)
+            if EXTRA > 0:
+                if IEEE:
+                    acc2_u = tl.dot(wu.T, a2t, acc2_u, input_precision="ieee")
+                else:
+                    acc2_u = tl.dot(wu.T, a2t, acc2_u)
             u_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
+        if EXTRA > 0:
+            a2t_ptrs += BLOCK_K * stride_ak
     if HAS_BIAS:
         b_base = bias_ptr + e.to(tl.int64) * stride_be
         acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -163,77 +208,16 @@ def _gemm_tile(
         acc_g = apply_act(acc_g, acc_u, alpha, limit, ACT)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _gemm_tile_swapped(
-    e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc,
-    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
-    up_off, col_mult, alpha, limit,
-    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-):
-    """The tile of ``_gemm_tile`` computed transposed, ``out^T = W^T @ A^T``: the weight tile
-    (``BLOCK_N`` columns, K-major as TMA or HF storage gives it) is the MMA's wide M side and the
-    ``BLOCK_M`` rows its narrow N side, which the tensor cores take down to 16 (the row side of a
-    normal tile cannot go below 64 per warpgroup). So an expert's short last block costs about
-    its rows, not a whole padded tile."""
-    rows = row0 + tl.arange(0, BLOCK_M)
-    rmask = rows < row_end
-    if GATHER_A:
-        a_rows = tl.load(sorted_ptr + rows, mask=rmask, other=0) // TOP_K
-    else:
-        a_rows = rows
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    k = tl.arange(0, BLOCK_K)
-    at_ptrs = a_ptr + a_rows[None, :].to(tl.int64) * stride_am + k[:, None] * stride_ak  # [BLOCK_K, BLOCK_M]
-    w_base = w_ptr + e.to(tl.int64) * stride_we
-    gt_ptrs = w_base + k[None, :] * stride_wk + (n * col_mult)[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, BLOCK_K]
-    ut_ptrs = gt_ptrs + up_off * stride_wn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    w_row = e * N_total + pid_n * BLOCK_N
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            at = tl.load(at_ptrs, mask=rmask[None, :], other=0.0)
-        else:
-            kmask = (k0 + k) < K
-            at = tl.load(at_ptrs, mask=kmask[:, None] & rmask[None, :], other=0.0)
-        if W_TMA:
-            wg = w_desc.load([w_row, k0])
-        elif EVEN_K:
-            wg = tl.load(gt_ptrs, mask=nmask[:, None], other=0.0)
-        else:
-            wg = tl.load(gt_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-        if IEEE:
-            acc_g = tl.dot(wg, at, acc_g, input_precision="ieee")
-        else:
-            acc_g = tl.dot(wg, at, acc_g)
-        if GATED:
-            if W_TMA:
-                wu = w_desc.load([w_row + up_off, k0])
-            elif EVEN_K:
-                wu = tl.load(ut_ptrs, mask=nmask[:, None], other=0.0)
-            else:
-                wu = tl.load(ut_ptrs, mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if IEEE:
-                acc_u = tl.dot(wu, at, acc_u, input_precision="ieee")
-            else:
-                acc_u = tl.dot(wu, at, acc_u)
-            ut_ptrs += BLOCK_K * stride_wk
-        at_ptrs += BLOCK_K * stride_ak
-        gt_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        b_base = bias_ptr + e.to(tl.int64) * stride_be
-        acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        if GATED:
-            acc_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-    if ACT >= 0:
-        acc_g = apply_act(acc_g, acc_u, alpha, limit, ACT)
-    out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_om + n[:, None]
-    tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & rmask[None, :])
+    if EXTRA > 0:  # the extra rows' tile, transposed: [BLOCK_N, EXTRA]
+        if HAS_BIAS:
+            acc2_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            if GATED:
+                acc2_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask,
+                                  other=0.0).to(tl.float32)[:, None]
+        if ACT >= 0:
+            acc2_g = apply_act(acc2_g, acc2_u, alpha, limit, ACT)
+        out2_ptrs = out_ptr + rows2[None, :].to(tl.int64) * stride_om + n[:, None]
+        tl.store(out2_ptrs, acc2_g.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & rmask2[None, :])
 
 
 @triton.jit
@@ -244,16 +228,17 @@ def _block_tile(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, TAIL_SWAP: tl.constexpr = False,
+    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, MERGE_M: tl.constexpr = 0,
 ):
     """An M-block's tile; with ``TAIL_M`` an expert's last block holding at most ``TAIL_M`` rows
     runs as a ``TAIL_M``-row tile (A by pointer loads), so a block that is mostly padding costs
-    a fraction of a full one; ``TAIL_SWAP``: that tile runs transposed (``_gemm_tile_swapped``)."""
-    if TAIL_SWAP and row_end - row0 <= TAIL_M:
-        _gemm_tile_swapped(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc,
-                           N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be,
-                           stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, GATED, ACT,
-                           HAS_BIAS, EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA)
+    a fraction of a full one; with ``MERGE_M`` a last block of more than ``BLOCK_M`` rows runs
+    as a full tile plus its extra rows transposed (``_gemm_tile``'s ``EXTRA``)."""
+    if MERGE_M > 0 and row_end - row0 > BLOCK_M:
+        _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
+                   EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, MERGE_M)
     elif TAIL_M > 0 and row_end - row0 <= TAIL_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
@@ -279,7 +264,7 @@ def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                GROUP_M: tl.constexpr):
+                GROUP_M: tl.constexpr, MERGE_M: tl.constexpr = 0):
     """``(pid_m, pid_n)`` of tile ``tile`` with the tiles ordered expert by expert: all tiles of
     expert 0's M-blocks, then expert 1's, ...; within one expert ``GROUP_M`` of its M-blocks share
     each N-block in turn. So an expert's weight tile is read by all of its M-blocks at about the
@@ -287,7 +272,7 @@ def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_P
     the live ones map to dead M-blocks."""
     eo = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    nblk = _num_blocks(counts, BLOCK_M, MERGE_M)
     blk_end = tl.cumsum(nblk, 0)
     b = tile // num_pid_n  # tiles [first * n, (first + nb) * n) are expert e's: b is one of its M-blocks
     e = tl.sum((blk_end <= b).to(tl.int32))
@@ -310,7 +295,7 @@ def _moe_gemm_kernel(
     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, TAIL_SWAP: tl.constexpr = False,
+    EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, MERGE_M: tl.constexpr = 0,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
@@ -320,33 +305,33 @@ def _moe_gemm_kernel(
     if PERSISTENT:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        live_m = tl.sum((counts + BLOCK_M - 1) // BLOCK_M)
+        live_m = tl.sum(_num_blocks(counts, BLOCK_M, MERGE_M))
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
             if EXPERT_ORDER:
-                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M)
+                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M, MERGE_M)
             else:
                 pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M)
             _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                         N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, TAIL_SWAP)
+                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M)
     else:
         if EXPERT_ORDER:
             pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
-                                       GROUP_M)
+                                       GROUP_M, MERGE_M)
         else:
             pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED)
+                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M)
         if not live:
             return
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, TAIL_SWAP)
+                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -459,7 +444,10 @@ def moe_gemm(
         return out
     interleaved = gated and experts.gate_up_interleaved
     cfg = config
-    tail_m = cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0
+    merge_m = cfg.merge_m if not pair_blocks else 0
+    if merge_m and (merge_m < 16 or merge_m & (merge_m - 1)):
+        raise ValueError(f"config.merge_m={merge_m} must be 0 or a power of two >= 16 (the extra rows are an "
+                         "MMA's N side).")
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
     tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
     persistent = bool(cfg.persistent) and not pair_blocks
@@ -485,8 +473,9 @@ def moe_gemm(
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
-        BATCHED=row_stride > 0, TAIL_M=tail_m, TAIL_SWAP=bool(cfg.tail_swap) and tail_m >= 16,
+        BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
+        MERGE_M=merge_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
