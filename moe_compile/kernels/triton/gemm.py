@@ -11,6 +11,10 @@
 - ``pair`` blocks (few pairs, many experts: decode): block ``m`` is pair ``m`` alone, its expert
   read straight from ``topk_ids``; no sorting kernels run at all.
 
+An expert's last block may take up to ``merge_m`` rows past a full block: they run as the narrow
+N side of a transposed MMA (``W^T @ A^T``) on the same weight tiles in the same K-loop, so a few
+rows past a full block neither read the weights again nor pad a whole tile.
+
 Gated activations compute the gate and the up tile of the same output columns in one program (two
 accumulators), so the ``[P, 2I]`` intermediate never reaches memory. ``W`` is addressed through its
 strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view without a copy.
