@@ -70,9 +70,12 @@ VARIANTS = {
             (128, 128, 64, 8, 2)],
     },
     # an expert's last block takes up to merge_m more rows (transposed, on the same weight tiles)
+    # (merge_launch=1: the merged blocks in a second launch, so the first keeps the plain tile's code)
     "merge": {
-        1: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=32, tail_m=0)],
-        2: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=m, persistent=0) for m in (32, 64)],
+        1: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=32, tail_m=0)]
+        + [dict(merge_m=m, merge_launch=1) for m in (16, 32, 64)],
+        2: [dict(merge_m=m) for m in (16, 32, 64)] + [dict(merge_m=m, persistent=0) for m in (32, 64)]
+        + [dict(merge_m=m, merge_launch=1) for m in (16, 32, 64)],
     },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
@@ -133,7 +136,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
                 print("  budget spent; stopping", flush=True)
                 return row
             tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m}"
-                   f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''} p{cfg.persistent} g{cfg.group_m}"
+                   f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''}{' 2nd-launch' if cfg.merge_launch else ''} p{cfg.persistent} g{cfg.group_m}"
                    f"{' by-expert' if cfg.expert_order else ''}")
             try:
                 out = run(gemm, cfg, st[0]).float()

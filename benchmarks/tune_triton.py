@@ -207,13 +207,14 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
             out.append(replace(sorted_plan, gemm1=G(64, 128, 64, ALL_M, 4, 4, 1, tail_m=tail)))
             out.append(replace(sorted_plan, gemm2=G(64, 128, 64, ALL_M, 4, 4, 1, tail_m=tail)))
             out.append(replace(sorted_plan, gemm2=G(64, 256, 64, ALL_M, 8, 3, 1, tail_m=tail)))
-    if 32 < per_expert <= 256 and g1.block_m >= 64 and g2.block_m >= 64:
-        # an expert's few rows past its last full block merged into it, transposed (sweep_gemm.py
-        # --variants merge, eleventh session: 4-5 % faster GEMMs at ~1 block per expert, slower
-        # where the tiles are compute-bound)
+    if per_expert > 32 and g1.block_m >= 64 and g2.block_m >= 64:
+        # an expert's few rows past its last full block merged into it, transposed, in place or in a
+        # second launch (sweep_gemm.py --variants merge, eleventh session: 4-5 % faster GEMMs at
+        # Qwen3 M = 2048)
         for merge in (16, 32):
-            out.append(replace(sorted_plan, gemm1=replace(g1, merge_m=merge, tail_m=0)))
-            out.append(replace(sorted_plan, gemm2=replace(g2, merge_m=merge)))
+            for second in (0, 1):
+                out.append(replace(sorted_plan, gemm1=replace(g1, merge_m=merge, merge_launch=second, tail_m=0)))
+                out.append(replace(sorted_plan, gemm2=replace(g2, merge_m=merge, merge_launch=second)))
     if 8 < per_expert <= 48:  # 32-row blocks with 16-row tails (~1-2 blocks per expert)
         for t in (G(32, 128, 64, ALL_M, 4, 4, 1, tail_m=16), G(32, 64, 128, ALL_M, 4, 4, 1, tail_m=16)):
             out.append(replace(sorted_plan, gemm1=t))

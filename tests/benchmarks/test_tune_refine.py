@@ -34,7 +34,8 @@ def test_variants_cover_persistence_pre_gather_and_tails():
     assert any(v.gemm1.block_m == 64 and v.gemm1.tail_m == 16 for v in variants)
     assert any(v.gemm1.tail_m and not v.gemm1.persistent for v in variants)
     assert {v.gemm1.merge_m for v in variants} >= {16, 32} and {v.gemm2.merge_m for v in variants} >= {16, 32}
-    assert not any(v.gemm1.merge_m or v.gemm2.merge_m for v in tt.refine_variants(plan, per_expert=512))
+    assert {v.gemm1.merge_launch for v in variants if v.gemm1.merge_m} == {0, 1}
+    assert not any(v.gemm1.merge_m or v.gemm2.merge_m for v in tt.refine_variants(plan, per_expert=16))
     grouped = tt.refine_variants(Plan(ExpertsPath.GROUPED_MM, plan.gemm1, plan.gemm2), per_expert=128)
     assert all(v.path is ExpertsPath.SORTED and v.gemm1.tma for v in grouped[:1])  # Triton variants to compare
     pairs = tt.refine_variants(Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4)), 0.06)

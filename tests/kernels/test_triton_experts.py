@@ -344,18 +344,19 @@ def test_tail_blocks_run_as_smaller_tiles(persistent, pre_gather, with_map):
 @pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent-flat"])
 @pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
 @pytest.mark.parametrize("order", ["grouped", "by-expert", "tails"])
-def test_merged_last_blocks(persistent, pre_gather, order):
+@pytest.mark.parametrize("launch", [0, 1], ids=["in-place", "second-launch"])
+def test_merged_last_blocks(persistent, pre_gather, order, launch):
     """``merge_m``: an expert's last block takes up to ``block_m + merge_m`` rows, the extra ones
     computed transposed on the same weight tiles. The routing has experts of exactly one block,
     one block plus a few rows (merged), plus more than ``merge_m`` (a block of their own), fewer
     than ``merge_m`` rows in all, and none; with bias, an expert map, and a K that is not a whole
-    number of K-steps."""
+    number of K-steps. ``merge_launch``: the merged blocks in a second launch."""
     from dataclasses import replace
 
     tokens, hidden, inter, num_experts, top_k = (70, 40, 32, 6, 2) if not CUDA else (1500, 288, 256, 16, 4)
     base = replace(TINY, block_m=32, merge_m=16) if not CUDA else GemmConfig(128, 64, 64, 8, 8, 3, merge_m=32)
     g = replace(base, persistent=persistent, tma=1, expert_order=int(order == "by-expert"),
-                tail_m=base.block_m // 2 if order == "tails" else 0)
+                tail_m=base.block_m // 2 if order == "tails" else 0, merge_launch=launch)
     num_global = num_experts + 2
     for seed in range(200):  # the first routing with every kind of last block in it
         gen = torch.Generator().manual_seed(seed)
@@ -382,9 +383,10 @@ def test_merge_m_must_be_an_mma_side():
     a = torch.zeros(4, 32, device=DEV, dtype=DTYPE)
     w = torch.zeros(2, 32, 16, device=DEV, dtype=DTYPE)
     counts = torch.tensor([4, 0], dtype=torch.int32, device=DEV)
-    with pytest.raises(ValueError, match="merge_m=24"):
-        moe_gemm(a, w, torch.zeros(4, 16, device=DEV, dtype=DTYPE), topk_ids=counts, top_k=1, counts=counts,
-                 sorted_pair=None, gather_a=False, config=replace(TINY, merge_m=24))
+    for merge in (24, 16):  # not a power of two; not below block_m (16)
+        with pytest.raises(ValueError, match=f"merge_m={merge} "):
+            moe_gemm(a, w, torch.zeros(4, 16, device=DEV, dtype=DTYPE), topk_ids=counts, top_k=1, counts=counts,
+                     sorted_pair=None, gather_a=False, config=replace(TINY, merge_m=merge))
 
 def _assert_sorted_plan_matches(g, pre_gather, with_map, num_global, x, topk_w, topk_ids, weights):
     """``fused_experts`` on the sorted path with GEMM config ``g`` against the reference; with

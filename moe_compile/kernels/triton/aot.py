@@ -31,7 +31,7 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, MERGE_M=0)
+            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, MERGE_M=0, MERGE_PASS=0)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
@@ -55,6 +55,12 @@ VARIANTS = {
                                              GATHER_A=False, GATED=False, ACT=-1, W_TMA=True, A_TMA=True,
                                              w_desc="tensordesc<bf16[256, 64]>", a_desc="tensordesc<bf16[128, 64]>"),
     "sorted-gemm1-merged-bias": dict(MERGE_M=16, HAS_BIAS=True, EVEN_K=False),
+    "sorted-gemm1-merged-first-launch-tma": dict(BLOCK_M=128, BLOCK_N=128, MERGE_M=32, MERGE_PASS=1, W_TMA=True,
+                                                 w_desc="tensordesc<bf16[128, 64]>"),
+    "sorted-gemm1-merged-second-launch-tma": dict(BLOCK_M=128, BLOCK_N=128, MERGE_M=32, MERGE_PASS=2, W_TMA=True,
+                                                  w_desc="tensordesc<bf16[128, 64]>"),
+    "batched-gemm2-merged-second-launch": dict(GATHER_A=False, GATED=False, ACT=-1, BATCHED=True, MERGE_M=16,
+                                               MERGE_PASS=2),
     "persistent-flat-gemm2-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
 }

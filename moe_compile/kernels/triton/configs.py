@@ -286,7 +286,8 @@ def describe_plan(plan: Plan) -> str:
     def gemm(g: GemmConfig) -> str:
         opts = [name for name, on in (("tma", g.tma), (f"persistent={g.persistent}", g.persistent),
                                       (f"tail={g.tail_m}", g.tail_m), ("by-expert", g.expert_order),
-                                      (f"merge={g.merge_m}", g.merge_m)) if on]
+                                      (f"merge={g.merge_m}", g.merge_m),
+                                      ("(2nd launch)", g.merge_m and g.merge_launch)) if on]
         return f"{g.block_m}x{g.block_n}x{g.block_k} w{g.num_warps} s{g.num_stages} g{g.group_m}" + (
             " " + " ".join(opts) if opts else "")
     extra = " pre-gathered" if plan.pre_gather else ""

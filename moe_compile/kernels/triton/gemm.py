@@ -54,6 +54,7 @@ class GemmConfig:
     tail_m: int = 0  # > 0: an expert's last block with at most this many rows runs as a tail_m-row tile
     expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
     merge_m: int = 0  # > 0: an expert's last block holds up to block_m + merge_m rows (the extra rows transposed)
+    merge_launch: int = 0  # 1: those merged blocks run in a second launch; the first keeps the plain tile's code
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -73,12 +74,30 @@ def _num_blocks(counts, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
 
 
 @triton.jit
+def _blocks_of(counts, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr, MERGE_PASS: tl.constexpr):
+    """``(M-blocks, rows they cover)`` of experts holding ``counts`` rows in this launch. The first
+    launch of a split merge (``MERGE_PASS == 1``) leaves out each merged last block (more than
+    ``BLOCK_M`` rows past a multiple of ``BLOCK_M``, by at most ``MERGE_M``): its plain blocks
+    then cover the expert's first rows only, and the second launch runs the rest."""
+    if MERGE_PASS == 1:
+        rem = counts % BLOCK_M
+        merged = (counts > BLOCK_M) & (rem > 0) & (rem <= MERGE_M)
+        rows = tl.where(merged, counts - BLOCK_M - rem, counts)
+        nblk = (rows + BLOCK_M - 1) // BLOCK_M
+    else:
+        rows = counts
+        nblk = _num_blocks(counts, BLOCK_M, MERGE_M)
+    return nblk, rows
+
+
+@triton.jit
 def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                 PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                BATCHED: tl.constexpr, MERGE_M: tl.constexpr = 0):
+                BATCHED: tl.constexpr, MERGE_M: tl.constexpr = 0, MERGE_PASS: tl.constexpr = 0):
     """(live, expert, first row, end row) of M-block ``pid_m``; ``BATCHED``: expert ``e``'s rows
     start at ``e * row_stride`` (the batched ``[E, cap, ...]`` format) instead of packed. With
-    ``MERGE_M`` an expert's last block may end up to ``MERGE_M`` rows past ``first row + BLOCK_M``."""
+    ``MERGE_M`` an expert's last block may end up to ``MERGE_M`` rows past ``first row + BLOCK_M``
+    (``MERGE_PASS == 1``: such blocks are left out, see ``_blocks_of``)."""
     if PAIR_BLOCKS:
         e = tl.load(ids_ptr + pid_m)
         if HAS_MAP:
@@ -89,7 +108,7 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
     else:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        nblk = _num_blocks(counts, BLOCK_M, MERGE_M)
+        nblk, covered = _blocks_of(counts, BLOCK_M, MERGE_M, MERGE_PASS)
         blk_end = tl.cumsum(nblk, 0)
         live = pid_m < tl.sum(nblk)
         e = tl.sum((blk_end <= pid_m).to(tl.int32))
@@ -97,7 +116,10 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
         first_blk = tl.sum(tl.where(here, blk_end - nblk, 0))
         if BATCHED:
             start = e * row_stride
-            row_end = start + tl.sum(tl.where(here, counts, 0))
+            row_end = start + tl.sum(tl.where(here, covered, 0))
+        elif MERGE_PASS == 1:
+            start = tl.sum(tl.where(here, tl.cumsum(counts, 0) - counts, 0))
+            row_end = start + tl.sum(tl.where(here, covered, 0))
         else:
             row_end_all = tl.cumsum(counts, 0)
             row_end = tl.sum(tl.where(here, row_end_all, 0))
@@ -232,13 +254,15 @@ def _block_tile(
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_TMA: tl.constexpr,
-    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, MERGE_M: tl.constexpr = 0,
+    A_TMA: tl.constexpr, TAIL_M: tl.constexpr, MERGE_M: tl.constexpr = 0, MERGE_PASS: tl.constexpr = 0,
 ):
     """An M-block's tile; with ``TAIL_M`` an expert's last block holding at most ``TAIL_M`` rows
     runs as a ``TAIL_M``-row tile (A by pointer loads), so a block that is mostly padding costs
     a fraction of a full one; with ``MERGE_M`` a last block of more than ``BLOCK_M`` rows runs
-    as a full tile plus its extra rows transposed (``_gemm_tile``'s ``EXTRA``)."""
-    if MERGE_M > 0 and row_end - row0 > BLOCK_M:
+    as a full tile plus its extra rows transposed (``_gemm_tile``'s ``EXTRA``); an expert's
+    earlier blocks see more than ``BLOCK_M + MERGE_M`` rows up to its end (``merge_m < block_m``).
+    With ``MERGE_PASS == 1`` no block here is merged (``_blocks_of``); the second launch runs them."""
+    if MERGE_M > 0 and MERGE_PASS == 0 and row_end - row0 > BLOCK_M and row_end - row0 <= BLOCK_M + MERGE_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
@@ -268,7 +292,7 @@ def _grouped_pid(tile, num_blocks_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                GROUP_M: tl.constexpr, MERGE_M: tl.constexpr = 0):
+                GROUP_M: tl.constexpr, MERGE_M: tl.constexpr = 0, MERGE_PASS: tl.constexpr = 0):
     """``(pid_m, pid_n)`` of tile ``tile`` with the tiles ordered expert by expert: all tiles of
     expert 0's M-blocks, then expert 1's, ...; within one expert ``GROUP_M`` of its M-blocks share
     each N-block in turn. So an expert's weight tile is read by all of its M-blocks at about the
@@ -276,7 +300,7 @@ def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_P
     the live ones map to dead M-blocks."""
     eo = tl.arange(0, E_PAD)
     counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-    nblk = _num_blocks(counts, BLOCK_M, MERGE_M)
+    nblk, _ = _blocks_of(counts, BLOCK_M, MERGE_M, MERGE_PASS)
     blk_end = tl.cumsum(nblk, 0)
     b = tile // num_pid_n  # tiles [first * n, (first + nb) * n) are expert e's: b is one of its M-blocks
     e = tl.sum((blk_end <= b).to(tl.int32))
@@ -300,42 +324,67 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, MERGE_M: tl.constexpr = 0,
+    MERGE_PASS: tl.constexpr = 0,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
     SM) walk the live tiles only, counted on the device from the expert counts (sorted or batched
-    blocks; ``FLATTEN`` lets the compiler overlap one tile's epilogue with the next tile's loads)."""
+    blocks; ``FLATTEN`` lets the compiler overlap one tile's epilogue with the next tile's loads).
+
+    ``MERGE_PASS``: 0, merged last blocks (``MERGE_M``) run in place; 1, they are left out; 2, only
+    they run, one program per (expert, N-block), so the other launch keeps the plain tile's code."""
     pdl_enter(PDL)
-    if PERSISTENT:
+    if MERGE_PASS == 2:
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        e = tl.program_id(0) // num_pid_n
+        pid_n = tl.program_id(0) % num_pid_n
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
-        live_m = tl.sum(_num_blocks(counts, BLOCK_M, MERGE_M))
+        count = tl.sum(tl.where(eo == e, counts, 0))
+        if BATCHED:
+            start = e * row_stride
+        else:
+            start = tl.sum(tl.where(eo < e, counts, 0))
+        row0 = start + (_num_blocks(count, BLOCK_M, MERGE_M) - 1) * BLOCK_M
+        row_end = start + count
+        if row_end - row0 > BLOCK_M:
+            _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
+                       N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                       stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
+                       HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, MERGE_M)
+    elif PERSISTENT:
+        eo = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
+        live_m = tl.sum(_blocks_of(counts, BLOCK_M, MERGE_M, MERGE_PASS)[0])
         num_pid_n = tl.cdiv(N, BLOCK_N)
         for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
             if EXPERT_ORDER:
-                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M, MERGE_M)
+                pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M, MERGE_M,
+                                           MERGE_PASS)
             else:
                 pid_m, pid_n = _grouped_pid(tile, live_m, num_pid_n, GROUP_M)
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M)
+                                                 PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M,
+                                                 MERGE_PASS)
             _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                         N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                         stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M)
+                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M, MERGE_PASS)
     else:
         if EXPERT_ORDER:
             pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
-                                       GROUP_M, MERGE_M)
+                                       GROUP_M, MERGE_M, MERGE_PASS)
         else:
             pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M)
+                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M,
+                                                 MERGE_PASS)
         if not live:
             return
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                     N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                     stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M)
+                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M, MERGE_PASS)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -426,6 +475,9 @@ def moe_gemm(
     ``experts`` given: the first GEMM (``w`` is w13, the activation is fused, ``out`` is
     ``[P, I]``); ``None``: the second GEMM (``out`` is ``[P, N]``).
 
+    ``config.merge_m``: an expert's last block takes up to that many rows past a full block (see
+    the module doc); with ``config.merge_launch`` those blocks run in a second launch.
+
     ``config.persistent``: sorted or batched blocks run on about one program per SM, each walking
     the live tiles (the grid no longer carries the dead blocks of the upper bound); pair blocks
     ignore it and ``config.expert_order`` (their blocks are single pairs, not counted per expert).
@@ -449,9 +501,9 @@ def moe_gemm(
     interleaved = gated and experts.gate_up_interleaved
     cfg = config
     merge_m = cfg.merge_m if not pair_blocks else 0
-    if merge_m and (merge_m < 16 or merge_m & (merge_m - 1)):
+    if merge_m and (merge_m < 16 or merge_m & (merge_m - 1) or merge_m >= cfg.block_m):
         raise ValueError(f"config.merge_m={merge_m} must be 0 or a power of two >= 16 (the extra rows are an "
-                         "MMA's N side).")
+                         f"MMA's N side) and below block_m={cfg.block_m}.")
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
     tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
     persistent = bool(cfg.persistent) and not pair_blocks
@@ -463,7 +515,7 @@ def moe_gemm(
     dummy = topk_ids
     w_desc, a_desc = _tma_descriptors(a, w, cfg, n_cols, interleaved=interleaved, gather_a=gather_a,
                                       pair_blocks=pair_blocks)
-    _moe_gemm_kernel[grid](
+    args = (
         a, w, bias if bias is not None else w, out,
         sorted_pair if sorted_pair is not None else dummy, counts if counts is not None else dummy,
         topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
@@ -472,6 +524,8 @@ def moe_gemm(
         0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
         1 if interleaved else n_cols, 2 if interleaved else 1,
         float(experts.swiglu_alpha) if experts else 0.0, float(experts.swiglu_limit) if experts else 0.0,
+    )
+    consts = dict(
         TOP_K=top_k, GATHER_A=gather_a, PAIR_BLOCKS=pair_blocks, HAS_MAP=expert_map is not None,
         GATED=gated, ACT=act_code(experts) if experts is not None else NO_ACT, HAS_BIAS=bias is not None,
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
@@ -479,10 +533,14 @@ def moe_gemm(
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
-        MERGE_M=merge_m,
+        MERGE_M=merge_m, MERGE_PASS=1 if merge_m and cfg.merge_launch else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
+    _moe_gemm_kernel[grid](*args, **consts)
+    if consts["MERGE_PASS"]:  # the merged last blocks: one program per (expert, N-block)
+        consts.update(MERGE_PASS=2, PERSISTENT=False, FLATTEN=False, EXPERT_ORDER=False)
+        _moe_gemm_kernel[(num_local * triton.cdiv(n_cols, cfg.block_n),)](*args, **consts)
     return out
 
 
