@@ -7,6 +7,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 CUDA = torch.cuda.is_available()
 # Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET, set for the whole
@@ -422,3 +424,36 @@ def test_expert_ordered_tiles(persistent, group_m, with_map):
     x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
     plan = _assert_sorted_plan_matches(g, True, with_map, num_global, x, topk_w, topk_ids, weights)
     assert Plan.from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.skipif(CUDA, reason="a property test of the block layout, run under the interpreter")
+@settings(max_examples=12, deadline=None)
+@given(counts=st.lists(st.sampled_from([0, 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 96, 97, 111]),
+                       min_size=1, max_size=5),
+       merge=st.sampled_from([16]), launch=st.sampled_from([0, 1]), batched=st.booleans())
+@example(counts=[48, 96, 97, 0, 33], merge=16, launch=0, batched=False)
+@example(counts=[48, 96, 97, 0, 33], merge=16, launch=1, batched=False)
+@example(counts=[40, 0, 80, 111], merge=16, launch=1, batched=True)
+def test_merged_blocks_cover_every_row(counts, merge, launch, batched):
+    """Whatever the counts (empty experts, exactly one block, one block + ``merge_m``, one row
+    more, several blocks), the blocks of a merged layout cover every row, with the plain-torch
+    product, packed or batched, in place or with the merged blocks in a second launch (rows never
+    written stay NaN and fail the comparison)."""
+    from dataclasses import replace
+
+    k_dim, n = 24, 16
+    cfg = replace(TINY, block_m=32, merge_m=merge, merge_launch=launch)
+    c = torch.tensor(counts, dtype=torch.int32)
+    num = len(counts)
+    gen = torch.Generator().manual_seed(sum(counts) + 7 * num)
+    w = torch.randn(num, k_dim, n, generator=gen)
+    cap = max(max(counts), 1)
+    rows = num * cap if batched else max(int(c.sum()), 1)
+    a = torch.randn(rows, k_dim, generator=gen)
+    out = torch.full((rows, n), float("nan"))
+    starts = [e * cap for e in range(num)] if batched else (torch.cumsum(c, 0) - c).tolist()
+    ids = torch.zeros(int(c.sum()), 1, dtype=torch.int32)  # only its size is read: the pairs (rows)
+    moe_gemm(a, w, out, topk_ids=ids, top_k=1, counts=c, sorted_pair=None, gather_a=False, config=cfg,
+             row_stride=cap if batched else 0, max_rows=int(c.sum()) if batched else None)
+    for e, (s, cnt) in enumerate(zip(starts, counts)):
+        torch.testing.assert_close(out[s:s + cnt], a[s:s + cnt] @ w[e], rtol=1e-4, atol=1e-4)
