@@ -85,7 +85,6 @@ def variant(cfg, v):
     if isinstance(v, int):
         return replace(cfg, group_m=v)
     if isinstance(v, dict):
-        v = dict(v)
         if v.get("tail_m", 0) >= cfg.block_m or v.get("merge_m", 0) >= cfg.block_m:
             return cfg  # no tail tile as large as a block, no more rows merged than a block
         return replace(cfg, **v)

@@ -345,9 +345,9 @@ def _moe_gemm_kernel(
             start = e * row_stride
         else:
             start = tl.sum(tl.where(eo < e, counts, 0))
-        row0 = start + (_num_blocks(count, BLOCK_M, MERGE_M) - 1) * BLOCK_M
+        row0 = start + _blocks_of(count, BLOCK_M, MERGE_M, 1)[1]  # past the first launch's rows
         row_end = start + count
-        if row_end - row0 > BLOCK_M:
+        if row_end > row0:  # a merged last block (the rule is _blocks_of's alone)
             _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
                        N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                        stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
@@ -377,8 +377,7 @@ def _moe_gemm_kernel(
         else:
             pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
-                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M,
-                                                 MERGE_PASS)
+                                             PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M, MERGE_PASS)
         if not live:
             return
         _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
