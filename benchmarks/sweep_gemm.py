@@ -78,6 +78,10 @@ VARIANTS = {
         2: [dict(merge_m=m) for m in (0, 16, 32, 64)] + [dict(merge_m=m, tail_m=0) for m in (16, 32)]
         + [dict(merge_m=m, persistent=0) for m in (32, 64)] + [dict(merge_m=m, merge_launch=1) for m in (16, 32)],
     },
+    # the second GEMM over K slices (GemmConfig.split_k): its tiles fill the SMs' last wave; the
+    # time here leaves out the combine's extra reads of the slices (the layer benchmark has them)
+    "splitk": {1: [], 2: [dict(split_k=s) for s in (2, 3, 4)] + [dict(split_k=s, persistent=0) for s in (2, 3)]
+               + [dict(split_k=s, persistent=2) for s in (2, 3)]},
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
@@ -113,9 +117,15 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
             moe_gemm(a1, weights.w13, s["act"], topk_ids=s["ids"], top_k=k, counts=al.counts,
                      sorted_pair=al.sorted_pair, experts=cfg_x, gather_a=not pre, config=cfg)
             return s["act"]
-        moe_gemm(s["act"], weights.w2, s["y"], topk_ids=s["ids"], top_k=k, counts=al.counts,
+        y = s["y"]
+        if cfg.split_k > 1:  # one [pairs, H] slice per K slice
+            y = s.setdefault(f"y{cfg.split_k}", torch.empty(cfg.split_k, *y.shape, dtype=y.dtype, device=y.device))
+        moe_gemm(s["act"], weights.w2, y, topk_ids=s["ids"], top_k=k, counts=al.counts,
                  sorted_pair=al.sorted_pair, gather_a=False, config=cfg)
-        return s["y"]
+        return y
+
+    def value(t):  # what a config computed, in fp32: split-K slices summed
+        return t.float().sum(0) if t.dim() == 3 else t.float()
 
     row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits, "gemm1": [], "gemm2": []}
     balanced = None
@@ -127,7 +137,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
     for gemm, n_w, tuned in ((1, 2 * h * i, plan.gemm1), (2, h * i, plan.gemm2)):
         bound = max(hits * n_w * 2 / HBM_BYTES_PER_S, 2 * pairs * n_w / BF16_FLOP_PER_S) * 1e6
         row[f"gemm{gemm} bound"] = bound
-        ref = run(gemm, tuned, st[0]).float().clone()
+        ref = value(run(gemm, tuned, st[0])).clone()
         variants = [variant(tuned, v) for v in VARIANTS[kind][gemm]]
         # the tuned config is timed first and again last: the first timing of a point can run on a
         # GPU that is not yet at its steady clocks, which would favour every variant after it
@@ -139,7 +149,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
                    f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''}{' 2nd-launch' if cfg.merge_launch else ''} p{cfg.persistent} g{cfg.group_m}"
                    f"{' by-expert' if cfg.expert_order else ''}")
             try:
-                out = run(gemm, cfg, st[0]).float()
+                out = value(run(gemm, cfg, st[0]))
                 err = ((out - ref).norm() / ref.norm()).item()
                 if not err <= MAX_REL_ERR:
                     print(f"  gemm{gemm} {tag}: wrong (rel err {err:.2e})", flush=True)

@@ -215,6 +215,10 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
             for second in (0, 1):
                 out.append(replace(sorted_plan, gemm1=replace(g1, merge_m=merge, merge_launch=second, tail_m=0)))
                 out.append(replace(sorted_plan, gemm2=replace(g2, merge_m=merge, merge_launch=second)))
+    # the second GEMM over K slices, so a GEMM of few long-K tiles fills its last wave of SMs
+    # (sweep_gemm.py --variants splitk, twelfth session); the combine adds the slices
+    for split in (2, 3):
+        out.append(replace(sorted_plan, gemm2=replace(g2, split_k=split)))
     if 8 < per_expert <= 48:  # 32-row blocks with 16-row tails (~1-2 blocks per expert)
         for t in (G(32, 128, 64, ALL_M, 4, 4, 1, tail_m=16), G(32, 64, 128, ALL_M, 4, 4, 1, tail_m=16)):
             out.append(replace(sorted_plan, gemm1=t))

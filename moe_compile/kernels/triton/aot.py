@@ -31,7 +31,8 @@ from pathlib import Path
 
 BASE = dict(TOP_K=8, GATHER_A=True, PAIR_BLOCKS=False, HAS_MAP=False, GATED=True, ACT=0, HAS_BIAS=False,
             EVEN_K=True, IEEE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, E_PAD=128, W_TMA=False,
-            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, MERGE_M=0, MERGE_PASS=0)
+            A_TMA=False, BATCHED=False, TAIL_M=0, PERSISTENT=False, FLATTEN=False, PDL=False, MERGE_M=0, MERGE_PASS=0,
+            SPLIT_K=1)
 DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
@@ -63,6 +64,11 @@ VARIANTS = {
                                                MERGE_PASS=2),
     "persistent-flat-gemm2-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
                                       W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC),
+    "persistent-flat-gemm2-split-k-tma": dict(PERSISTENT=True, FLATTEN=True, GATHER_A=False, GATED=False, ACT=-1,
+                                              W_TMA=True, A_TMA=True, w_desc=DESC, a_desc=DESC, SPLIT_K=2),
+    "sorted-gemm2-split-k-bias": dict(GATHER_A=False, GATED=False, ACT=-1, HAS_BIAS=True, EVEN_K=False, SPLIT_K=3),
+    "sorted-gemm2-split-k-merged-second-launch": dict(GATHER_A=False, GATED=False, ACT=-1, MERGE_M=16, MERGE_PASS=2,
+                                                      SPLIT_K=2),
 }
 # the router kernels (kernels/triton/router.py): the tensor-core GEMM on fp32 weights split into bf16
 # parts or bf16 weights as they are, with and without bias, and both kernels writing bf16 logits

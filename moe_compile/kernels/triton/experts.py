@@ -19,6 +19,7 @@ are sized from shapes alone (``P = T * k`` rows). ``TritonExperts`` wraps it as 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -120,7 +121,9 @@ def fused_experts(
         act = activation(h, config)
         y = torch._grouped_mm(act, weights.w2, offs=al.offsets)
         return combine(y, w_tk, out, pos=al.pos, weighted=weighted)
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    # split-K second GEMM: one partial [pairs, H] per K slice, which the combine sums
+    split = plan.gemm2.split_k
+    y = torch.empty(*((split,) if split > 1 else ()), pairs, hidden, dtype=x.dtype, device=x.device)
     if plan.path is ExpertsPath.PAIRS:
         act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
         moe_gemm(x, weights.w13, act, counts=None, sorted_pair=None, bias=weights.w13_bias, experts=config,
@@ -220,7 +223,8 @@ class TritonBatchedExperts(BatchedExperts):
         common = dict(topk_ids=counts, top_k=1, counts=counts, sorted_pair=None, gather_a=False,
                       row_stride=max_tokens, max_rows=max_rows)
         moe_gemm(x, weights.w13, act, bias=weights.w13_bias, experts=self.config, config=plan.gemm1, **common)
-        moe_gemm(act, weights.w2, out, bias=weights.w2_bias, config=plan.gemm2, **common)
+        # the batched format's output is the workspace the finalize step reads: one slice, no split-K
+        moe_gemm(act, weights.w2, out, bias=weights.w2_bias, config=replace(plan.gemm2, split_k=1), **common)
 
 
 __all__ = ["TritonBatchedExperts", "TritonExperts", "fused_experts", "plan_for", "triton_experts_supported"]

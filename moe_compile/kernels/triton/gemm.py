@@ -55,6 +55,7 @@ class GemmConfig:
     expert_order: int = 0  # 1: the tiles go expert by expert (group_m then counts within one expert)
     merge_m: int = 0  # > 0: an expert's last block holds up to block_m + merge_m rows (the extra rows transposed)
     merge_launch: int = 0  # 1: those merged blocks run in a second launch; the first keeps the plain tile's code
+    split_k: int = 1  # > 1 (second GEMM only): each tile as split_k K slices, out [split_k, P, N] to be summed
 
     @staticmethod
     def from_dict(d: dict) -> "GemmConfig":
@@ -131,7 +132,7 @@ def _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
 @triton.jit
 def _gemm_tile(
     e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    N, K, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
@@ -160,6 +161,8 @@ def _gemm_tile(
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak
     w_base = w_ptr + e.to(tl.int64) * stride_we
     g_ptrs = w_base + k[:, None] * stride_wk + (n * col_mult)[None, :].to(tl.int64) * stride_wn
+    a_ptrs += k_lo * stride_ak  # this program's K range is [k_lo, K): split-K runs a slice of it
+    g_ptrs += k_lo * stride_wk
     u_ptrs = g_ptrs + up_off * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -170,12 +173,13 @@ def _gemm_tile(
             a2_rows = tl.load(sorted_ptr + rows2, mask=rmask2, other=0) // TOP_K
         else:
             a2_rows = rows2
-        a2t_ptrs = a_ptr + a2_rows[None, :].to(tl.int64) * stride_am + k[:, None] * stride_ak  # [BLOCK_K, EXTRA]
+        # [BLOCK_K, EXTRA]
+        a2t_ptrs = a_ptr + a2_rows[None, :].to(tl.int64) * stride_am + (k_lo + k)[:, None] * stride_ak
         acc2_g = tl.zeros([BLOCK_N, EXTRA], dtype=tl.float32)
         acc2_u = tl.zeros([BLOCK_N, EXTRA], dtype=tl.float32)
     # TMA: W is [E * N_total, K] K-major (the caller checked it), whole N-blocks inside one expert
     w_row = e * N_total + pid_n * BLOCK_N
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, K, BLOCK_K):
         if A_TMA:  # ungathered rows: rows past row_end are computed and never stored
             a = a_desc.load([row0, k0])
         elif EVEN_K:
@@ -225,8 +229,8 @@ def _gemm_tile(
         g_ptrs += BLOCK_K * stride_wk
         if EXTRA > 0:
             a2t_ptrs += BLOCK_K * stride_ak
-    if HAS_BIAS:
-        b_base = bias_ptr + e.to(tl.int64) * stride_be
+    b_base = bias_ptr + e.to(tl.int64) * stride_be
+    if HAS_BIAS and k_lo == 0:  # split-K: the first K slice adds it
         acc_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -235,7 +239,7 @@ def _gemm_tile(
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out_ptrs, acc_g.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
     if EXTRA > 0:  # the extra rows' tile, transposed: [BLOCK_N, EXTRA]
-        if HAS_BIAS:
+        if HAS_BIAS and k_lo == 0:
             acc2_g += tl.load(b_base + n * col_mult * stride_bn, mask=nmask, other=0.0).to(tl.float32)[:, None]
             if GATED:
                 acc2_u += tl.load(b_base + (n * col_mult + up_off) * stride_bn, mask=nmask,
@@ -249,7 +253,7 @@ def _gemm_tile(
 @triton.jit
 def _block_tile(
     e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    N, K, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, GATED: tl.constexpr,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
@@ -264,17 +268,17 @@ def _block_tile(
     With ``MERGE_PASS == 1`` no block here is merged (``_blocks_of``); the second launch runs them."""
     if MERGE_M > 0 and MERGE_PASS == 0 and row_end - row0 > BLOCK_M and row_end - row0 <= BLOCK_M + MERGE_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   N, K, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, MERGE_M)
     elif TAIL_M > 0 and row_end - row0 <= TAIL_M:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   N, K, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, TAIL_M, BLOCK_N, BLOCK_K, W_TMA, False)
     else:
         _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                   N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
+                   N, K, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT, HAS_BIAS,
                    EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA)
 
@@ -313,10 +317,23 @@ def _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M: tl.constexpr, E_P
 
 
 @triton.jit
+def _split_of(tile, per_split, K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """``(tile within its K slice, slice, first K, end K)`` of ``tile``: tiles ``[s * per_split,
+    (s + 1) * per_split)`` are K slice ``s``, each slice a whole number of ``BLOCK_K`` steps."""
+    if SPLIT_K == 1:
+        return tile, 0, 0, K
+    else:
+        k_per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        ks = tile // per_split
+        k_lo = ks * k_per
+        return tile % per_split, ks.to(tl.int64), k_lo, tl.minimum(K, k_lo + k_per)  # int64: ks * stride_os
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, counts_ptr, ids_ptr, map_ptr, w_desc, a_desc,
     E_local, N, K, launched, N_total, row_stride,
-    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om,
+    stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn, stride_om, stride_os,
     up_off, col_mult, alpha, limit,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, PAIR_BLOCKS: tl.constexpr, HAS_MAP: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
@@ -324,7 +341,7 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr, E_PAD: tl.constexpr, W_TMA: tl.constexpr, A_TMA: tl.constexpr,
     BATCHED: tl.constexpr, TAIL_M: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
     EXPERT_ORDER: tl.constexpr = False, PDL: tl.constexpr = False, MERGE_M: tl.constexpr = 0,
-    MERGE_PASS: tl.constexpr = 0,
+    MERGE_PASS: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
 ):
     """Grid launch (``PERSISTENT`` off): one program per (M-block, N-block) of the upper bound of
     ``launched`` M-blocks; dead blocks return. Persistent: ``launched`` programs (about one per
@@ -332,12 +349,16 @@ def _moe_gemm_kernel(
     blocks; ``FLATTEN`` lets the compiler overlap one tile's epilogue with the next tile's loads).
 
     ``MERGE_PASS``: 0, merged last blocks (``MERGE_M``) run in place; 1, they are left out; 2, only
-    they run, one program per (expert, N-block), so the other launch keeps the plain tile's code."""
+    they run, one program per (expert, N-block), so the other launch keeps the plain tile's code.
+
+    ``SPLIT_K > 1``: every tile runs as ``SPLIT_K`` programs over K slices, slice ``s`` writing
+    its partial product to ``out + s * stride_os`` (the caller sums the slices)."""
     pdl_enter(PDL)
     if MERGE_PASS == 2:
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        e = tl.program_id(0) // num_pid_n
-        pid_n = tl.program_id(0) % num_pid_n
+        pid, ks, k_lo, k_hi = _split_of(tl.program_id(0), E_local * num_pid_n, K, BLOCK_K, SPLIT_K)
+        e = pid // num_pid_n
+        pid_n = pid % num_pid_n
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
         count = tl.sum(tl.where(eo == e, counts, 0))
@@ -348,16 +369,17 @@ def _moe_gemm_kernel(
         row0 = start + _blocks_of(count, BLOCK_M, MERGE_M, 1)[1]  # past the first launch's rows
         row_end = start + count
         if row_end > row0:  # a merged last block (the rule is _blocks_of's alone)
-            _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                       N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                       stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                       HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, MERGE_M)
+            _gemm_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr + ks * stride_os, sorted_ptr,
+                       w_desc, a_desc, N, k_hi, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn,
+                       stride_be, stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS,
+                       GATED, ACT, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, MERGE_M)
     elif PERSISTENT:
         eo = tl.arange(0, E_PAD)
         counts = tl.load(counts_ptr + eo, mask=eo < E_local, other=0)
         live_m = tl.sum(_blocks_of(counts, BLOCK_M, MERGE_M, MERGE_PASS)[0])
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        for tile in tl.range(tl.program_id(0), live_m * num_pid_n, launched, flatten=FLATTEN):
+        for tile_k in tl.range(tl.program_id(0), live_m * num_pid_n * SPLIT_K, launched, flatten=FLATTEN):
+            tile, ks, k_lo, k_hi = _split_of(tile_k, live_m * num_pid_n, K, BLOCK_K, SPLIT_K)
             if EXPERT_ORDER:
                 pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, num_pid_n, BLOCK_M, E_PAD, GROUP_M, MERGE_M,
                                            MERGE_PASS)
@@ -366,24 +388,27 @@ def _moe_gemm_kernel(
             live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                                  PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M,
                                                  MERGE_PASS)
-            _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                        N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                        stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                        HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M, MERGE_PASS)
+            _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr + ks * stride_os, sorted_ptr,
+                        w_desc, a_desc, N, k_hi, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn,
+                        stride_be, stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS,
+                        GATED, ACT, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M,
+                        MERGE_PASS)
     else:
+        tile, ks, k_lo, k_hi = _split_of(tl.program_id(0), launched * tl.cdiv(N, BLOCK_N), K, BLOCK_K, SPLIT_K)
         if EXPERT_ORDER:
-            pid_m, pid_n = _expert_pid(tl.program_id(0), counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
+            pid_m, pid_n = _expert_pid(tile, counts_ptr, E_local, tl.cdiv(N, BLOCK_N), BLOCK_M, E_PAD,
                                        GROUP_M, MERGE_M, MERGE_PASS)
         else:
-            pid_m, pid_n = _grouped_pid(tl.program_id(0), launched, tl.cdiv(N, BLOCK_N), GROUP_M)
+            pid_m, pid_n = _grouped_pid(tile, launched, tl.cdiv(N, BLOCK_N), GROUP_M)
         live, e, row0, row_end = _block_rows(pid_m, counts_ptr, ids_ptr, map_ptr, E_local, row_stride,
                                              PAIR_BLOCKS, HAS_MAP, BLOCK_M, E_PAD, BATCHED, MERGE_M, MERGE_PASS)
         if not live:
             return
-        _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, w_desc, a_desc,
-                    N, K, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn, stride_be, stride_bn,
-                    stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS, GATED, ACT,
-                    HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M, MERGE_PASS)
+        _block_tile(e, row0, row_end, pid_n, a_ptr, w_ptr, bias_ptr, out_ptr + ks * stride_os, sorted_ptr,
+                    w_desc, a_desc, N, k_hi, k_lo, N_total, stride_am, stride_ak, stride_we, stride_wk, stride_wn,
+                    stride_be, stride_bn, stride_om, up_off, col_mult, alpha, limit, TOP_K, GATHER_A, PAIR_BLOCKS,
+                    GATED, ACT, HAS_BIAS, EVEN_K, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, A_TMA, TAIL_M, MERGE_M,
+                    MERGE_PASS)
 
 
 def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) -> int:
@@ -477,6 +502,11 @@ def moe_gemm(
     ``config.merge_m``: an expert's last block takes up to that many rows past a full block (see
     the module doc); with ``config.merge_launch`` those blocks run in a second launch.
 
+    ``config.split_k > 1`` (the second GEMM only: no activation): every tile runs as that many
+    programs over slices of K, so a GEMM of few, long-K tiles fills the last wave of SMs; ``out``
+    is then ``[split_k, P, N]``, slice ``s`` holding the partial products over K slice ``s`` (the
+    bias in slice 0), which the caller sums (``combine`` takes the slices as they are).
+
     ``config.persistent``: sorted or batched blocks run on about one program per SM, each walking
     the live tiles (the grid no longer carries the dead blocks of the upper bound); pair blocks
     ignore it and ``config.expert_order`` (their blocks are single pairs, not counted per expert).
@@ -488,7 +518,17 @@ def moe_gemm(
     pair_blocks = counts is None
     gated = experts is not None and experts.activation.is_gated
     n_cols = w.shape[2] // 2 if gated else w.shape[2]
-    _check(a, w, out, bias, n_cols)
+    split_k = config.split_k
+    if not isinstance(split_k, int) or split_k < 1:
+        raise ValueError(f"config.split_k={split_k!r} must be an int >= 1.")
+    if split_k > 1:
+        if experts is not None:
+            raise ValueError(f"config.split_k={split_k} needs the second GEMM (experts=None): the activation of a "
+                             "K slice's partial sum is not a slice of the activation.")
+        if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[0] != split_k:
+            raise ValueError(f"config.split_k={split_k} needs out of shape [{split_k}, P, N] (one slice per K "
+                             f"slice), but got {tuple(out.shape) if isinstance(out, torch.Tensor) else type(out)}.")
+    _check(a, w, out[0] if split_k > 1 else out, bias, n_cols)
     if not pair_blocks and sorted_pair is None and gather_a:
         raise ValueError("sorted blocks with gather_a=True need sorted_pair.")
     if row_stride and (pair_blocks or gather_a or max_rows is None):
@@ -504,7 +544,7 @@ def moe_gemm(
         raise ValueError(f"config.merge_m={merge_m} must be 0 or a power of two >= 16 (the extra rows are an "
                          f"MMA's N side) and below block_m={cfg.block_m}.")
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
-    tiles = nbm * triton.cdiv(n_cols, cfg.block_n)
+    tiles = nbm * triton.cdiv(n_cols, cfg.block_n) * split_k
     persistent = bool(cfg.persistent) and not pair_blocks
     if persistent:
         launched = min(tiles, num_programs(a.device))
@@ -520,7 +560,8 @@ def moe_gemm(
         topk_ids, expert_map if expert_map is not None else dummy, w_desc, a_desc,
         num_local, n_cols, a.shape[1], launched, w.shape[2], row_stride,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(0),
+        0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1), out.stride(-2),
+        out.stride(0) if split_k > 1 else 0,
         1 if interleaved else n_cols, 2 if interleaved else 1,
         float(experts.swiglu_alpha) if experts else 0.0, float(experts.swiglu_limit) if experts else 0.0,
     )
@@ -532,14 +573,14 @@ def moe_gemm(
         E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
-        MERGE_M=merge_m, MERGE_PASS=1 if merge_m and cfg.merge_launch else 0,
+        MERGE_M=merge_m, MERGE_PASS=1 if merge_m and cfg.merge_launch else 0, SPLIT_K=split_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
     _moe_gemm_kernel[grid](*args, **consts)
     if consts["MERGE_PASS"]:  # the merged last blocks: one program per (expert, N-block)
         consts.update(MERGE_PASS=2, PERSISTENT=False, FLATTEN=False, EXPERT_ORDER=False)
-        _moe_gemm_kernel[(num_local * triton.cdiv(n_cols, cfg.block_n),)](*args, **consts)
+        _moe_gemm_kernel[(num_local * triton.cdiv(n_cols, cfg.block_n) * split_k,)](*args, **consts)
     return out
 
 
