@@ -146,7 +146,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
                 print("  budget spent; stopping", flush=True)
                 return row
             tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} tail{cfg.tail_m}"
-                   f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''}{' 2nd-launch' if cfg.merge_launch else ''} p{cfg.persistent} g{cfg.group_m}"
+                   f"{f' merge{cfg.merge_m}' if cfg.merge_m else ''}{' 2nd-launch' if cfg.merge_launch else ''}{f' split{cfg.split_k}' if cfg.split_k > 1 else ''} p{cfg.persistent} g{cfg.group_m}"
                    f"{' by-expert' if cfg.expert_order else ''}")
             try:
                 out = value(run(gemm, cfg, st[0]))
