@@ -37,12 +37,10 @@ def tuned_dir(tmp_path, monkeypatch):
     for name, table in files.items():
         (tmp_path / name).write_text(json.dumps(table))
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    for cache in (configs._load, configs._device_files, configs._untuned_plan):
-        cache.cache_clear()
+    configs.reload()
     configs._SAID.clear()
     yield tmp_path
-    for cache in (configs._load, configs._device_files, configs._untuned_plan):
-        cache.cache_clear()
+    configs.reload()
 
 
 def _choose(num_tokens, top_k=8, num_local=64, hidden=2048, inter=1024):
@@ -86,13 +84,11 @@ def test_a_shape_with_its_own_file_uses_it(tuned_dir):
 
 def test_nothing_to_borrow_gives_the_default_heuristic(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    for cache in (configs._load, configs._device_files, configs._untuned_plan):
-        cache.cache_clear()
+    configs.reload()
     try:
         assert _choose(1024) == configs.default_plan(1024, 8, 64, 2048, 1024)
     finally:
-        for cache in (configs._load, configs._device_files, configs._untuned_plan):
-            cache.cache_clear()
+        configs.reload()
 
 
 def test_sm90_devices_read_the_h200_files():
@@ -138,15 +134,17 @@ def test_your_own_config_dir_is_searched_first(tuned_dir, tmp_path_factory, monk
     (user / "E64_H2048_I1024_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "512": _plan("sorted", 64, 128)}))
     (user / "E128_H2048_I768_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "2048": _plan("sorted", 32, 64)}))
     monkeypatch.setenv(configs.USER_DIR_ENV, str(user))
-    for cache in (configs._load, configs._device_files, configs._untuned_plan):
-        cache.cache_clear()
+    configs.reload()
     assert configs.config_dirs() == [user, tuned_dir]
     assert _choose(1024) == Plan.from_dict(_plan("sorted", 64, 128))
     assert _choose(2048, num_local=128, hidden=2048, inter=768) == Plan.from_dict(_plan("sorted", 32, 64))
     # another shape at 128 rows per expert borrows the user's E128 entry, not the shadowed shipped one
     assert _choose(2048, num_local=128, hidden=4096, inter=1536) == Plan.from_dict(_plan("sorted", 32, 64))
-    for cache in (configs._load, configs._device_files, configs._untuned_plan):
-        cache.cache_clear()
+    # without the directory, after configs.reload(), the shipped file is read again
+    monkeypatch.delenv(configs.USER_DIR_ENV)
+    configs.reload()
+    assert _choose(2048, num_local=128, hidden=2048, inter=768) == Plan.from_dict(_plan("sorted", 128, 256))
+    configs.reload()
 
 
 def test_a_decode_entry_for_a_larger_batch_falls_back_and_says_why(tuned_dir):

@@ -281,13 +281,23 @@ def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, int
                            dtype=dtype, keys=tuple(_device_keys(device)))[0]
 
 
+def reload() -> None:
+    """Forget the tuned files read so far, so the next lookups read ``config_dirs()`` again (after
+    changing ``$MOE_COMPILE_CONFIG_DIR`` or the files in it within one process). Kernels already
+    captured in a CUDA graph keep the plans they were captured with."""
+    _load.cache_clear()
+    _device_files.cache_clear()
+    _untuned_plan.cache_clear()
+
+
 def describe_plan(plan: Plan) -> str:
     """One line: the path and each GEMM's tile, warps, stages and options."""
     def gemm(g: GemmConfig) -> str:
         opts = [name for name, on in (("tma", g.tma), (f"persistent={g.persistent}", g.persistent),
                                       (f"tail={g.tail_m}", g.tail_m), ("by-expert", g.expert_order),
                                       (f"merge={g.merge_m}", g.merge_m),
-                                      ("(2nd launch)", g.merge_m and g.merge_launch)) if on]
+                                      ("(2nd launch)", g.merge_m and g.merge_launch),
+                                      (f"split_k={g.split_k}", g.split_k > 1)) if on]
         return f"{g.block_m}x{g.block_n}x{g.block_k} w{g.num_warps} s{g.num_stages} g{g.group_m}" + (
             " " + " ".join(opts) if opts else "")
     extra = " pre-gathered" if plan.pre_gather else ""
@@ -296,4 +306,4 @@ def describe_plan(plan: Plan) -> str:
 
 __all__ = ["CONFIG_DIR", "USER_DIR_ENV", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_dirs",
            "config_file_name", "default_plan", "describe_plan", "device_key", "parse_shape", "plan_and_source",
-           "tuned_device_keys"]
+           "reload", "tuned_device_keys"]

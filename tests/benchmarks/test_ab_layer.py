@@ -1,0 +1,55 @@
+"""``benchmarks/ab_layer.py``'s parts that need no GPU: the round order, the summary, and the
+switch between plan directories."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import ab_layer  # noqa: E402
+
+from moe_compile.kernels.triton import configs  # noqa: E402
+
+
+def test_sides_alternate_which_goes_first():
+    assert [ab_layer.order(r) for r in range(4)] == [("A", "B"), ("B", "A"), ("A", "B"), ("B", "A")]
+
+
+def test_summary_pairs_rounds_in_time():
+    s = ab_layer.summary({"A": [100.0, 110.0, 90.0], "B": [95.0, 99.0, 90.0]})
+    assert s["A_median_us"] == 100.0 and s["B_median_us"] == 95.0
+    assert s["B_over_A_median"] == pytest.approx(0.95) and s["B_over_A_min"] == pytest.approx(0.9)
+    assert s["B_over_A_max"] == pytest.approx(1.0)
+
+
+def test_use_plans_switches_the_tuned_files(tmp_path, monkeypatch):
+    """Side B's directory shadows the shipped file of the same name; side A (none) reads the
+    shipped one again, within one process."""
+    monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+    name = configs.config_file_name(8, 4096, 14336, torch.bfloat16, "NVIDIA_H200")
+    shipped = configs._load(name)
+    mine = {"_top_k": 2, "2048": json.loads(json.dumps(shipped[2048].to_dict()))}
+    mine["2048"]["gemm2"]["split_k"] = 1
+    mine["2048"]["gemm2"]["block_m"] = 64
+    (tmp_path / name).write_text(json.dumps(mine))
+    try:
+        ab_layer.use_plans(str(tmp_path))
+        assert configs._load(name)[2048].gemm2.block_m == 64
+        ab_layer.use_plans(None)
+        assert configs._load(name)[2048] == shipped[2048]
+    finally:
+        monkeypatch.delenv(configs.USER_DIR_ENV, raising=False)
+        configs.reload()
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        ab_layer.main(["--points", "qwen3:8", "--rounds", "0"])
+    assert "--rounds and --reps must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab_layer.main(["--points", "qwen3:8", "--b-dir", str(tmp_path / "missing")])
+    assert "is not a directory" in capsys.readouterr().err
