@@ -124,3 +124,25 @@ def test_bad_split_k_raises():
     with pytest.raises(ValueError, match="second GEMM"):
         moe_gemm(a, torch.zeros(2, 32, 32, device=DEV, dtype=DTYPE), torch.zeros(2, 4, 16, device=DEV, dtype=DTYPE),
                  experts=ExpertsConfig(), config=replace(TINY, split_k=2), **common)
+
+
+def test_batched_experts_run_a_split_plan_unsplit(monkeypatch):
+    """The batched format writes its second GEMM straight into the finalize step's workspace, so
+    a tuned plan's ``split_k`` is dropped there (one slice) and the result is unchanged."""
+    from moe_compile.kernels.triton import experts as triton_experts
+    from moe_compile.modular import BatchedExperts, BatchedPrepareAndFinalize
+    from moe_compile.modular.kernel import ModularKernel
+
+    split_plan = Plan(ExpertsPath.SORTED, BASE, replace(BASE, split_k=2))
+    monkeypatch.setattr(triton_experts, "choose_plan", lambda **kw: split_plan)
+    gen = torch.Generator().manual_seed(9)
+    tokens, hidden, inter, num_experts, top_k = (12, 32, 16, 4, 2) if not CUDA else (96, 256, 128, 16, 4)
+    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
+    topk_w, topk_ids = _routing(tokens, num_experts, top_k, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    cfg = ExpertsConfig()
+    runs = {}
+    for name, experts in (("triton", triton_experts.TritonBatchedExperts(cfg)), ("torch", BatchedExperts(cfg))):
+        runs[name] = ModularKernel(BatchedPrepareAndFinalize(num_experts), experts)(
+            x, topk_w, topk_ids, weights, global_num_experts=num_experts)
+    _assert_close(runs["triton"], runs["torch"].float())
