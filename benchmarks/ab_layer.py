@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from bench_moe_layer import (  # noqa: E402
-    ROTATE, SHAPES, _event_time, bound_us, build_hf_block, cuda_or_say, our_layer, point, write_json,
+    ROTATE, SHAPES, _event_time, bound_us, build_hf_block, capture_graph, cuda_or_say, our_layer, point,
+    write_json,
 )
 
 from moe_compile.kernels.triton import configs  # noqa: E402
@@ -47,16 +48,8 @@ def use_plans(directory: str | None) -> None:
 
 
 def capture(fn, inputs):
-    """A CUDA graph calling ``fn`` on each input in turn, and the first call's output."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x in inputs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(x) for x in inputs]
+    """A CUDA graph calling ``fn`` on each input in turn, and the first call's output after a replay."""
+    graph, outs = capture_graph(fn, inputs)
     graph.replay()
     torch.cuda.synchronize()
     return graph, outs[0].float().clone()

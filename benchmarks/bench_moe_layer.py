@@ -178,8 +178,9 @@ def write_json(out_dir: str | Path | None, name: str, result) -> None:
         (Path(out_dir) / name).write_text(json.dumps(result, indent=1))
 
 
-def graph_time_us(fn, inputs, reps: int) -> float:
-    """Median per-call time of a CUDA graph that calls ``fn`` once on each input in turn."""
+def capture_graph(fn, inputs):
+    """``(graph, outputs)``: a CUDA graph that calls ``fn`` once on each input in turn (after one
+    warm-up pass on a side stream), and the outputs of those calls (refreshed by each replay)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -188,8 +189,13 @@ def graph_time_us(fn, inputs, reps: int) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for x in inputs:
-            fn(x)
+        outs = [fn(x) for x in inputs]
+    return graph, outs
+
+
+def graph_time_us(fn, inputs, reps: int) -> float:
+    """Median per-call time of a CUDA graph that calls ``fn`` once on each input in turn."""
+    graph, _ = capture_graph(fn, inputs)
     return _event_time(graph.replay, reps) / len(inputs)
 
 
