@@ -164,3 +164,17 @@ def test_parse_shape_names_the_shape():
     for bad in ("128,8,4096", "x,8,4096,1536", "8,16,4096,1536", "0,1,2,3"):
         with pytest.raises(ValueError, match="shape"):
             configs.parse_shape(bad)
+
+
+def test_a_borrowed_plan_runs_its_second_gemm_unsplit(tuned_dir):
+    """Split-K is tuned for one shape's tile count and K: another shape borrowing that entry gets
+    the same plan with ``split_k = 1``, while the shape that owns the file keeps its split."""
+    g = GemmConfig(block_m=128, block_n=256, block_k=128, num_warps=8, tma=1)  # no other file's tile
+    split = Plan(ExpertsPath.SORTED, g, GemmConfig(block_m=128, block_n=256, block_k=128, num_warps=8, tma=1,
+                                                   split_k=3))
+    (tuned_dir / "E32_H4096_I14336_bf16_cpu.json").write_text(json.dumps({"_top_k": 2, "8192": split.to_dict()}))
+    configs.reload()
+    own = _choose(8192, top_k=2, num_local=32, hidden=4096, inter=14336)
+    assert own.gemm2.split_k == 3
+    borrowed = _choose(8192, top_k=2, num_local=32, hidden=4096, inter=8192)  # 512 rows per expert, like the entry
+    assert borrowed.gemm1 == split.gemm1 and borrowed.gemm2 == GemmConfig(128, 256, 128, num_warps=8, tma=1)

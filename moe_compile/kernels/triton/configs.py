@@ -12,7 +12,11 @@ memory- and compute-bound tiles) are nearest on a log scale, with a decode entry
 for a decode batch and never a ``grouped_mm`` one (tuned for one shape's CUTLASS kernels). An sm_90
 GPU without files of its own (an H100) reads the H200's, which were tuned on the same SMs. A
 shape's own file whose nearest entry lies more than ``FAR_OCTAVES`` octaves of ``M`` away (a file
-tuned for other batch sizes only) is passed over the same way.
+tuned for other batch sizes only) is passed over the same way. A borrowed plan's second GEMM runs
+unsplit (``split_k = 1``): whether splitting K pays depends on how many tiles a shape has against
+the SMs and how long its K is, not on its rows per expert (twelfth session: 3 K slices took
+Mixtral M = 2048's GEMM2 from 913 to 782 µs, while 2-4 slices made Qwen3's and DeepSeek-V3's
+M = 2048 GEMM2 6-97 % slower).
 ``benchmarks/tune_triton.py --shape E,top_k,H,I`` tunes a shape of your own. Without any file: the
 fixed heuristic of ``default_plan``. ``python -m moe_compile plan --shape E,top_k,H,I`` prints
 which plan each token count gets and where it came from (``plan_and_source``).
@@ -37,7 +41,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -210,7 +214,12 @@ def borrowed_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, d
             dist = (abs(math.log2(m * k / experts) - target), abs(math.log2(file_hidden / max(hidden, 1))), name, m)
             if best is None or dist < best[0]:
                 best = (dist, plan, f"{name} M={m}")
-    return (best[1], best[2]) if best else None
+    if best is None:
+        return None
+    plan = best[1]
+    if plan.gemm2.split_k > 1:  # tuned for another shape's tile count and K (see the module doc)
+        plan = replace(plan, gemm2=replace(plan.gemm2, split_k=1))
+    return plan, best[2]
 
 
 _SAID: set[str] = set()
