@@ -136,6 +136,8 @@ def _align_check(s: Setup, ids: torch.Tensor, method: str) -> Check:
 def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     from moe_compile.kernels.triton.configs import ExpertsPath, Plan
     from moe_compile.kernels.triton.experts import _grouped_mm_ok, fused_experts
+    from dataclasses import replace
+
     from moe_compile.kernels.triton.gemm import GemmConfig
     from moe_compile.modular import ModularKernel, ReferenceExperts, StandardPrepareAndFinalize
     from moe_compile.ops.config import ExpertsConfig
@@ -152,6 +154,8 @@ def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     tma = GemmConfig(g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, tma=1)
     plans["sorted, TMA loads"] = Plan(ExpertsPath.SORTED, tma, tma)
     plans["gemv (CUDA cores)"] = Plan(ExpertsPath.GEMV, g, g)
+    # a second GEMM split over K, whose slices the combine sums (a tuned plan uses it)
+    plans["sorted, split-K GEMM2"] = Plan(ExpertsPath.SORTED, tma, replace(tma, split_k=2))
     if _grouped_mm_ok(x, weights):
         plans["grouped_mm"] = Plan(ExpertsPath.GROUPED_MM, g, g)
     out = []
