@@ -15,6 +15,10 @@ An expert's last block may take up to ``merge_m`` rows past a full block: they r
 N side of a transposed MMA (``W^T @ A^T``) on the same weight tiles in the same K-loop, so a few
 rows past a full block neither read the weights again nor pad a whole tile.
 
+The second GEMM may split K (``split_k``): each tile runs as that many programs over slices of K,
+writing partial products to ``out[s]``, which the combine adds. A GEMM of few long-K tiles (Mixtral's
+down projection, K = 14336) then fills the SMs' last wave instead of leaving most of them idle.
+
 Gated activations compute the gate and the up tile of the same output columns in one program (two
 accumulators), so the ``[P, 2I]`` intermediate never reaches memory. ``W`` is addressed through its
 strides, so HF's ``[E, 2I, H]`` weights pass as a transposed ``[E, H, 2I]`` view without a copy.
