@@ -32,11 +32,11 @@ def test_apply_writes_only_winning_gemv_plans(tmp_path, monkeypatch):
     assert table["1"]["path"] == "gemv" and table["1"]["us"] == 25.0 and "26.0" in table["1"]["_from"]
     assert table["4"] == tuned
     monkeypatch.setattr(configs, "device_key", lambda device: "NVIDIA_H200")
-    configs._load.cache_clear()
+    configs.reload()
     try:
         chosen = [configs.choose_plan(num_tokens=m, top_k=8, num_local=128, hidden=2048, inter=768,
                                       dtype=torch.bfloat16, device=torch.device("cpu")) for m in (1, 4)]
     finally:
-        configs._load.cache_clear()
+        configs.reload()
     assert [p.path for p in chosen] == [configs.ExpertsPath.GEMV, configs.ExpertsPath.PAIRS]
     assert (chosen[0].gemm1.block_n, chosen[0].gemm1.block_k, chosen[0].gemm1.num_warps) == (8, 128, 8)
