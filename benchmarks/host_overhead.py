@@ -2,11 +2,13 @@
 
     python benchmarks/host_overhead.py
 
-Three figures, each the mean of many calls on this CPU:
+Four figures, each the mean of many calls on this CPU:
 
 - ``validation + dispatch``: ``fused_moe()`` with the lowering replaced by a clone, i.e. argument
   validation, config parsing and the ``torch.ops.moe_compile.fused_moe`` dispatch;
 - ``custom-op dispatch``: ``torch.ops.moe_compile.fused_moe`` directly, minus the op's Python body;
+- ``tuned-plan lookup``: the plan the CUDA experts look up on every call, cached as it runs and with
+  the cache bypassed (twelfth session: the cache);
 - ``CUDA lowering Python``: the whole op through the CUDA lowering at a Qwen3-30B-A3B decode shape
   (M=1, E=128, top-8, H=2048, I=768) with every Triton launch stubbed out, run in a child process
   under ``TRITON_INTERPRET=1`` so the lowering accepts CPU tensors: our own Python around the
@@ -56,6 +58,21 @@ def dispatch_figures() -> None:
     print(f"  of which validation and argument parsing:           {whole - op:8.1f} us")
 
 
+def plan_lookup_figures() -> None:
+    """The tuned-plan lookup the CUDA experts make on every call (Qwen3-30B-A3B at M = 2048 from the
+    shipped H200 file), cached per shape and token count as it runs, and with that cache bypassed."""
+    import torch
+
+    from moe_compile.kernels.triton import configs
+
+    args = (2048, 8, 128, 2048, 768, torch.bfloat16, ("NVIDIA_H200",))
+    cached = mean_us(lambda: configs.plan_and_source(num_tokens=2048, top_k=8, num_local=128, hidden=2048,
+                                                     inter=768, dtype=torch.bfloat16, keys=("NVIDIA_H200",)))
+    uncached = mean_us(lambda: configs._plan_and_source.__wrapped__(*args))
+    print(f"tuned-plan lookup, cached (as it runs):              {cached:8.1f} us")
+    print(f"tuned-plan lookup, without its cache:                {uncached:8.1f} us")
+
+
 def lowering_figure() -> None:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -78,6 +95,7 @@ def main() -> int:
         lowering_figure()
         return 0
     dispatch_figures()
+    plan_lookup_figures()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, __file__], env=env).returncode
 
