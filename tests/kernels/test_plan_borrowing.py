@@ -178,3 +178,6 @@ def test_a_borrowed_plan_runs_its_second_gemm_unsplit(tuned_dir):
     assert own.gemm2.split_k == 3
     borrowed = _choose(8192, top_k=2, num_local=32, hidden=4096, inter=8192)  # 512 rows per expert, like the entry
     assert borrowed.gemm1 == split.gemm1 and borrowed.gemm2 == GemmConfig(128, 256, 128, num_warps=8, tma=1)
+    _, source = configs.plan_and_source(num_tokens=8192, top_k=2, num_local=32, hidden=4096, inter=8192,
+                                        dtype=torch.bfloat16, keys=("cpu",))
+    assert "E32_H4096_I14336" in source and "second GEMM unsplit" in source

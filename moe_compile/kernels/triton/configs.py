@@ -216,10 +216,11 @@ def borrowed_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, d
                 best = (dist, plan, f"{name} M={m}")
     if best is None:
         return None
-    plan = best[1]
+    plan, source = best[1], best[2]
     if plan.gemm2.split_k > 1:  # tuned for another shape's tile count and K (see the module doc)
         plan = replace(plan, gemm2=replace(plan.gemm2, split_k=1))
-    return plan, best[2]
+        source += " with its second GEMM unsplit (split-K is tuned per shape)"
+    return plan, source
 
 
 _SAID: set[str] = set()
