@@ -19,6 +19,8 @@ turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
 Tenth session: ``--variants occupancy`` times tiles small enough for two or three CTAs per SM.
+Thirteenth session: ``--variants bigm`` times 256-row blocks (the partial last block per expert
+is the cost ``merge`` measured; 256-row blocks leave none at ~256 or ~512 rows per expert).
 Eleventh session: ``--variants merge`` lets an expert's last block take up to ``merge_m`` rows
 past a full block, computed transposed on the same weight tiles (``GemmConfig.merge_m``), and also
 times the tuned config on a balanced routing (every expert the same number of rows, whole blocks at
@@ -82,6 +84,17 @@ VARIANTS = {
     # time here leaves out the combine's extra reads of the slices (the layer benchmark has them)
     "splitk": {1: [], 2: [dict(split_k=s) for s in (2, 3, 4)] + [dict(split_k=s, persistent=0) for s in (2, 3)]
                + [dict(split_k=s, persistent=2) for s in (2, 3)]},
+    # 256-row blocks: an expert of ~512 rows (Mixtral M=2048, Qwen3 M=8192) or ~256 (DeepSeek-V3
+    # M=8192) fills whole blocks plus at most a merged remainder, where 128-row blocks leave a
+    # partial block per expert; each weight tile is also read by half as many programs
+    "bigm": {
+        1: [dict(block_m=256, block_n=64, num_warps=8, num_stages=s) for s in (3, 4)]
+        + [dict(block_m=256, block_n=64, num_warps=8, num_stages=3, merge_m=0),
+           dict(block_m=256, block_n=128, num_warps=16, num_stages=3)],
+        2: [dict(block_m=256, block_n=128, num_warps=8, num_stages=s) for s in (3, 4)]
+        + [dict(block_m=256, block_n=128, num_warps=8, num_stages=3, split_k=1),
+           dict(block_m=256, block_n=256, num_warps=16, num_stages=3)],
+    },
 }
 FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
 
@@ -129,7 +142,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
 
     row = {"shape": name, "M": m, "plan": plan.to_dict(), "experts_hit": hits, "gemm1": [], "gemm2": []}
     balanced = None
-    if kind == "merge":  # pair p -> expert p % E: every expert the same rows (a token's k experts distinct)
+    if kind in ("merge", "bigm"):  # pair p -> expert p % E: every expert the same rows (a token's k experts distinct)
         x0, w0, ids0 = calls[0]
         ids_bal = (torch.arange(ids0.numel(), device=ids0.device) % shape.num_experts).view_as(ids0).to(ids0.dtype)
         balanced = stage_inputs(shape, m, [(x0, w0, ids_bal)])
@@ -161,7 +174,7 @@ def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
             row[f"gemm{gemm}"].append({"config": asdict(cfg), "us": us, "tuned": cfg == tuned})
             print(f"  gemm{gemm} {tag}{' (tuned)' if cfg == tuned else ''}: {us:9.1f} us "
                   f"{us / bound:5.2f}x its bound", flush=True)
-        if kind == "merge" and time.time() < deadline:
+        if kind in ("merge", "bigm") and time.time() < deadline:
             # the tuned config and the fastest variant, each on the balanced routing too: a variant
             # faster there than the tuned config gains from its code, not from the partial blocks
             timed = row[f"gemm{gemm}"]

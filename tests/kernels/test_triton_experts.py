@@ -457,3 +457,24 @@ def test_merged_blocks_cover_every_row(counts, merge, launch, batched):
              row_stride=cap if batched else 0, max_rows=int(c.sum()) if batched else None)
     for e, (s, cnt) in enumerate(zip(starts, counts)):
         torch.testing.assert_close(out[s:s + cnt], a[s:s + cnt] @ w[e], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["grid", "persistent-flat"])
+@pytest.mark.parametrize("merge", [0, 32])
+@pytest.mark.parametrize("pre_gather", [False, True], ids=["gather-in-gemm", "pre-gather"])
+def test_256_row_blocks(persistent, merge, pre_gather):
+    """256-row M-blocks (``sweep_gemm.py --variants bigm``): experts of one partial block, of two
+    whole blocks plus a few rows (merged, or a third block), and of none; TMA loads on a GPU."""
+    from dataclasses import replace
+
+    tokens, hidden, inter, num_experts, top_k = (700, 32, 16, 4, 2) if not CUDA else (2100, 256, 256, 8, 2)
+    base = replace(TINY, block_m=256, block_n=16) if not CUDA else GemmConfig(256, 64, 64, 8, 8, 3)
+    g = replace(base, persistent=persistent, tma=1, merge_m=merge)
+    gen = torch.Generator().manual_seed(3)
+    skew = torch.tensor([3.0, 3.0, 0.0, -9.0] + [0.0] * (num_experts - 4))
+    topk_w, topk_ids = (torch.randn(tokens, num_experts, generator=gen) + skew).softmax(-1).topk(top_k)
+    counts = torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    assert (counts > 512).any() and (counts < 256).any()
+    weights = _weights(num_experts, hidden, inter, Activation.SILU, hf_layout=True, bias=True, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    _assert_sorted_plan_matches(g, pre_gather, False, num_experts, x, topk_w.to(DEV), topk_ids.int().to(DEV), weights)
