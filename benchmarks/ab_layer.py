@@ -8,12 +8,21 @@
 the layer once, captures one CUDA graph per side (the plan is chosen at capture), checks that both
 sides compute the same output, then replays the two graphs alternately, ``--rounds`` times each,
 with the side that goes first swapped every round. So both sides see the same weights, inputs,
-clocks and temperature, and one call costs one process start instead of four.
+clocks and temperature, and one call costs one process start instead of four. ``--control``
+also captures A's plans a second time, after B's (side ``A2``), and reports A2 / A: the ratio
+that capture order and buffer placement give with no change of plan at all.
 
 Twelfth session: the same config's GEMM timing moved by up to 7 % between rounds within one run
 on the H200 and single timings by 10-20 % (``results/README.md``), and A B A B runs of
 ``bench_moe_layer.py`` in separate processes differed by 1-5 % on unchanged code; this is the
 cheaper and fairer way to compare plans.
+
+Thirteenth session (first runs on the H200): an A/A run (both sides the shipped plans) gave
+B/A 0.9985 at Qwen3 M = 2048 and 0.9987 at Mixtral M = 256. But at Mixtral M = 2048 side B came
+out about 1 % slower than A whichever plan it held (split-K on B: 1.0158, 1.0130; split-K on A:
+1.0097), so a 1 % difference there says nothing. With ``--control`` (run 7): split-K against
+none B/A 1.0045 with A2/A 1.0032 (no difference); DeepSeek-V3 M = 8192's expert order B/A 0.9716
+with A2/A 1.0025, and 3.2 % faster in every one of 16 earlier rounds: that plan now uses it.
 """
 from __future__ import annotations
 
@@ -55,20 +64,26 @@ def capture(fn, inputs):
     return graph, outs[0].float().clone()
 
 
-def order(rnd: int) -> tuple[str, str]:
-    """The sides in round ``rnd``: A first in even rounds, B first in odd ones."""
-    return ("A", "B") if rnd % 2 == 0 else ("B", "A")
+def order(rnd: int, sides: tuple[str, ...] = ("A", "B")) -> tuple[str, ...]:
+    """The sides in round ``rnd``, rotated by one each round: with A and B, A first in even rounds,
+    B first in odd ones; with the control A2 too, each side goes first every third round."""
+    k = rnd % len(sides)
+    return tuple(sides[k:] + sides[:k])
 
 
 def summary(times: dict[str, list[float]]) -> dict:
     """Medians of each side and of the per-round ratios B / A (rounds pair up in time)."""
-    ratios = [b / a for a, b in zip(times["A"], times["B"])]
-    return {"A_median_us": statistics.median(times["A"]), "B_median_us": statistics.median(times["B"]),
-            "B_over_A_median": statistics.median(ratios), "B_over_A_min": min(ratios),
-            "B_over_A_max": max(ratios)}
+    out = {f"{side}_median_us": statistics.median(t) for side, t in times.items()}
+    for side in [s for s in times if s != "A"]:
+        ratios = [x / a for a, x in zip(times["A"], times[side])]
+        out.update({f"{side}_over_A_median": statistics.median(ratios), f"{side}_over_A_min": min(ratios),
+                    f"{side}_over_A_max": max(ratios)})
+    return out
 
 
 def ab_point(block, shape, m: int, dirs: dict[str, str | None], rounds: int, reps: int) -> dict:
+    """``dirs``: side -> plan directory, captured in that order (``A2``, the control, is A's
+    plans captured again after B's)."""
     ours = our_layer(block, shape)
     gen = torch.Generator(device="cuda").manual_seed(m)
     inputs = [torch.randn(m, shape.hidden, device="cuda", generator=gen).bfloat16() for _ in range(ROTATE)]
@@ -89,9 +104,9 @@ def ab_point(block, shape, m: int, dirs: dict[str, str | None], rounds: int, rep
     if not diff <= MAX_REL_DIFF:
         row["error"] = f"A and B differ by {diff:.2e} (relative), more than {MAX_REL_DIFF}: not timed"
         return row
-    times = {"A": [], "B": []}
+    times = {side: [] for side in dirs}
     for rnd in range(rounds):
-        for side in order(rnd):
+        for side in order(rnd, tuple(dirs)):
             times[side].append(_event_time(graphs[side].replay, reps) / len(inputs))
     row["times_us"] = times
     row.update(summary(times))
@@ -108,6 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for ab_layer.json")
+    parser.add_argument("--control", action="store_true",
+                        help="also capture A's plans a second time after B's (side A2) and report A2 / A: "
+                             "what capture order and buffer placement alone do to the ratio")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.reps < 1:
         parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
@@ -117,6 +135,8 @@ def main(argv=None) -> int:
     if not cuda_or_say("ab_layer"):
         return 2
     dirs = {"A": args.a_dir, "B": args.b_dir}
+    if args.control:
+        dirs["A2"] = args.a_dir
     rows = []
     by_shape: dict[str, list[int]] = {}
     for name, m in args.points:
@@ -127,7 +147,7 @@ def main(argv=None) -> int:
         for m in ms:
             row = ab_point(block, shape, m, dirs, args.rounds, args.reps)
             rows.append(row)
-            for side in ("A", "B"):
+            for side in dirs:
                 print(f"{name} M={m} {side} [{row['sides'][side]['dir']}]: {row['sides'][side]['plan']}", flush=True)
             if "error" in row:
                 print(f"{name} M={m}: {row['error']}", flush=True)
@@ -137,6 +157,11 @@ def main(argv=None) -> int:
                   f"median {row['B_over_A_median']:.4f} (min {row['B_over_A_min']:.4f}, max "
                   f"{row['B_over_A_max']:.4f}); rounds A {[round(t, 1) for t in row['times_us']['A']]} "
                   f"B {[round(t, 1) for t in row['times_us']['B']]}", flush=True)
+            if "A2" in dirs:
+                print(f"{name} M={m}: control A2 (A's plans captured again after B's) {row['A2_median_us']:.1f} us; "
+                      f"A2/A per round median {row['A2_over_A_median']:.4f} (min {row['A2_over_A_min']:.4f}, "
+                      f"max {row['A2_over_A_max']:.4f}); rounds A2 {[round(t, 1) for t in row['times_us']['A2']]}",
+                      flush=True)
             write_json(args.out, "ab_layer.json", {"rows": rows})
         del block
         torch.cuda.empty_cache()

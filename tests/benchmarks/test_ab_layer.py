@@ -53,3 +53,12 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab_layer.main(["--points", "qwen3:8", "--b-dir", str(tmp_path / "missing")])
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_control_side_rotates_and_is_summarised():
+    """With the control A2 each side goes first every third round, and A2 / A is reported."""
+    sides = ("A", "B", "A2")
+    assert [ab_layer.order(r, sides) for r in range(3)] == [("A", "B", "A2"), ("B", "A2", "A"), ("A2", "A", "B")]
+    s = ab_layer.summary({"A": [100.0, 110.0], "B": [95.0, 99.0], "A2": [101.0, 110.0]})
+    assert s["A2_over_A_median"] == pytest.approx(1.005) and s["A2_over_A_max"] == pytest.approx(1.01)
+    assert s["B_over_A_min"] == pytest.approx(0.9)
