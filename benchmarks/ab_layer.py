@@ -22,7 +22,8 @@ B/A 0.9985 at Qwen3 M = 2048 and 0.9987 at Mixtral M = 256. But at Mixtral M = 2
 out about 1 % slower than A whichever plan it held (split-K on B: 1.0158, 1.0130; split-K on A:
 1.0097), so a 1 % difference there says nothing. With ``--control`` (run 7): split-K against
 none B/A 1.0045 with A2/A 1.0032 (no difference); DeepSeek-V3 M = 8192's expert order B/A 0.9716
-with A2/A 1.0025, and 0.4-3.8 % faster in every one of 18 earlier rounds: that plan now uses it.
+with A2/A 1.0025, and 0.4-3.8 % faster in every one of 18 earlier rounds (on a fresh machine,
+run 8: B/A 0.9845, A2/A 0.9991): that plan now uses it.
 """
 from __future__ import annotations
 

@@ -37,6 +37,8 @@ def test_variants_cover_persistence_pre_gather_and_tails():
     assert {v.gemm1.merge_launch for v in variants if v.gemm1.merge_m} == {0, 1}
     assert not any(v.gemm1.merge_m or v.gemm2.merge_m for v in tt.refine_variants(plan, per_expert=16))
     assert {v.gemm2.split_k for v in variants} == {1, 2, 3} and all(v.gemm1.split_k == 1 for v in variants)
+    assert any(v.gemm1.expert_order and v.gemm2.expert_order and v.gemm1.group_m == tt.ALL_M for v in variants)
+    assert not any(v.gemm1.expert_order for v in tt.refine_variants(plan, per_expert=16))
     grouped = tt.refine_variants(Plan(ExpertsPath.GROUPED_MM, plan.gemm1, plan.gemm2), per_expert=128)
     assert all(v.path is ExpertsPath.SORTED and v.gemm1.tma for v in grouped[:1])  # Triton variants to compare
     pairs = tt.refine_variants(Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4)), 0.06)
