@@ -2,9 +2,12 @@
 
     python benchmarks/ab_layer.py --b-dir my_configs --points mixtral:2048 qwen3:8192 --rounds 6
     python benchmarks/ab_layer.py --a-dir old_configs --points deepseek_v3:8192
+    python benchmarks/ab_layer.py --b-set mixtral:2048:gemm2.split_k=1 --points mixtral:2048 --control
 
 ``--a-dir`` / ``--b-dir`` name a directory of tuned files read before the shipped ones (as
-``$MOE_COMPILE_CONFIG_DIR`` does); left out, that side runs the shipped plans. Each point builds
+``$MOE_COMPILE_CONFIG_DIR`` does); left out, that side runs the shipped plans. ``--a-set`` /
+``--b-set`` change fields of single points' plans on that side (``plan_override.py``), so one
+changed field needs no hand-edited copy of a tuned file. Each point builds
 the layer once, captures one CUDA graph per side (the plan is chosen at capture), checks that both
 sides compute the same output, then replays the two graphs alternately, ``--rounds`` times each,
 with the side that goes first swapped every round. So both sides see the same weights, inputs,
@@ -31,6 +34,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -42,6 +46,8 @@ from bench_moe_layer import (  # noqa: E402
     ROTATE, SHAPES, _event_time, bound_us, build_hf_block, capture_graph, cuda_or_say, our_layer, point,
     write_json,
 )
+
+from plan_override import parse_override, write_overrides  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
 
@@ -124,6 +130,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=None, help="directory for ab_layer.json")
+    parser.add_argument("--a-set", nargs="+", default=[], metavar="SHAPE:M:FIELD=VALUE,...",
+                        help="change fields of these points' plans on side A (see plan_override.py)")
+    parser.add_argument("--b-set", nargs="+", default=[], metavar="SHAPE:M:FIELD=VALUE,...",
+                        help="the same for side B")
     parser.add_argument("--control", action="store_true",
                         help="also capture A's plans a second time after B's (side A2) and report A2 / A: "
                              "what capture order and buffer placement alone do to the ratio")
@@ -133,9 +143,21 @@ def main(argv=None) -> int:
     for side, directory in (("A", args.a_dir), ("B", args.b_dir)):
         if directory and not Path(directory).is_dir():
             parser.error(f"--{side.lower()}-dir {directory!r} is not a directory")
+    for flag, specs in (("--a-set", args.a_set), ("--b-set", args.b_set)):
+        for spec in specs:
+            try:
+                parse_override(spec, SHAPES)
+            except ValueError as exc:
+                parser.error(f"{flag}: {exc}")
     if not cuda_or_say("ab_layer"):
         return 2
     dirs = {"A": args.a_dir, "B": args.b_dir}
+    for side, specs in (("A", args.a_set), ("B", args.b_set)):
+        if specs:
+            out_dir = Path(tempfile.mkdtemp(prefix=f"ab_layer_{side}_"))
+            for line in write_overrides(specs, SHAPES, dirs[side], out_dir, configs.device_key(torch.device("cuda"))):
+                print(f"side {side}: {line}", flush=True)
+            dirs[side] = str(out_dir)
     if args.control:
         dirs["A2"] = args.a_dir
     rows = []

@@ -62,3 +62,51 @@ def test_control_side_rotates_and_is_summarised():
     s = ab_layer.summary({"A": [100.0, 110.0], "B": [95.0, 99.0], "A2": [101.0, 110.0]})
     assert s["A2_over_A_median"] == pytest.approx(1.005) and s["A2_over_A_max"] == pytest.approx(1.01)
     assert s["B_over_A_min"] == pytest.approx(0.9)
+
+
+def test_plan_overrides_write_a_changed_copy(tmp_path):
+    """``--b-set``: the point's shipped plan with the named fields changed, in a new directory that
+    also keeps the side's own files; other points and shapes untouched."""
+    import plan_override as po
+
+    base = tmp_path / "mine"
+    base.mkdir()
+    (base / "other.json").write_text("{}")
+    out = tmp_path / "out"
+    said = po.write_overrides(["deepseek_v3:8192:gemm1.expert_order=1,gemm1.group_m=1024,pre_gather=1"],
+                              ab_layer.SHAPES, str(base), out, "NVIDIA_H200")
+    name = configs.config_file_name(256, 7168, 2048, torch.bfloat16, "NVIDIA_H200")
+    shipped = json.loads((configs.CONFIG_DIR / name).read_text())
+    mine = json.loads((out / name).read_text())
+    plan = configs.Plan.from_dict(mine["8192"])
+    assert plan.gemm1.expert_order == 1 and plan.gemm1.group_m == 1024 and plan.pre_gather
+    assert plan.gemm2 == configs.Plan.from_dict(shipped["8192"]).gemm2
+    assert mine["2048"] == shipped["2048"] and (out / "other.json").exists()
+    assert said == ["deepseek_v3 M=8192: gemm1.expert_order=1,gemm1.group_m=1024,pre_gather=1 (changed)"]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("deepseek_v3:8192", "expected SHAPE:M:FIELD=VALUE"),
+    ("llama:8192:gemm1.block_m=64", "shape 'llama' is not one of"),
+    ("qwen3:0:gemm1.block_m=64", "M='0' must be a positive integer"),
+    ("qwen3:2048:gemm3.block_m=64", "unknown field 'gemm3.block_m'"),
+    ("qwen3:2048:gemm1.block_m=big", "gemm1.block_m='big' must be a non-negative integer"),
+    ("qwen3:2048:pre_gather=2", "pre_gather='2' must be 0 or 1"),
+    ("qwen3:2048:path=dense", "path='dense' must be one of"),
+    ("qwen3:2048:block_m", "'block_m' is not FIELD=VALUE"),
+])
+def test_bad_plan_overrides_say_what_is_wrong(spec, match):
+    import plan_override as po
+
+    with pytest.raises(ValueError, match=match):
+        po.parse_override(spec, ab_layer.SHAPES)
+
+
+def test_override_of_an_untuned_point_is_refused(tmp_path, capsys):
+    import plan_override as po
+
+    with pytest.raises(ValueError, match="has no plan for M=3"):
+        po.write_overrides(["qwen3:3:gemm1.block_m=64"], ab_layer.SHAPES, None, tmp_path, "NVIDIA_H200")
+    with pytest.raises(SystemExit):
+        ab_layer.main(["--points", "qwen3:8", "--b-set", "qwen3:8:gemm9.x=1"])
+    assert "--b-set: plan override" in capsys.readouterr().err
