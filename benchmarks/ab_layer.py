@@ -7,7 +7,9 @@
 ``--a-dir`` / ``--b-dir`` name a directory of tuned files read before the shipped ones (as
 ``$MOE_COMPILE_CONFIG_DIR`` does); left out, that side runs the shipped plans. ``--a-set`` /
 ``--b-set`` change fields of single points' plans on that side (``plan_override.py``), so one
-changed field needs no hand-edited copy of a tuned file. Each point builds
+changed field needs no hand-edited copy of a tuned file. ``--apply`` (with ``--control``) writes
+B's plan into the tuned file where ``verdict`` accepts it: faster in every round, by 1 % or more
+at the median and by more than twice what the control moved. Each point builds
 the layer once, captures one CUDA graph per side (the plan is chosen at capture), checks that both
 sides compute the same output, then replays the two graphs alternately, ``--rounds`` times each,
 with the side that goes first swapped every round. So both sides see the same weights, inputs,
@@ -31,6 +33,7 @@ run 8: B/A 0.9845, A2/A 0.9991): that plan now uses it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -48,10 +51,12 @@ from bench_moe_layer import (  # noqa: E402
 )
 
 from plan_override import parse_override, write_overrides  # noqa: E402
+from tune_triton import write_table  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
 
 MAX_REL_DIFF = 2e-2  # bf16 outputs of two plans: different tiles sum in other orders (~3e-3 seen)
+MIN_GAIN = 0.01  # --apply: B's median gain over A must reach this, and twice what the control moved
 
 
 def use_plans(directory: str | None) -> None:
@@ -88,6 +93,50 @@ def summary(times: dict[str, list[float]]) -> dict:
     return out
 
 
+def verdict(row: dict) -> tuple[bool, str]:
+    """Whether side B's plan should replace A's at this point (``--apply``): B faster than A in
+    every round, by at least ``MIN_GAIN`` at the median and by more than twice what the control
+    (A's plans captured again) moved."""
+    if "error" in row:
+        return False, row["error"]
+    if row["sides"]["B"]["plan_dict"] == row["sides"]["A"]["plan_dict"]:
+        return False, "both sides ran the same plan"
+    if "A2_over_A_median" not in row:
+        return False, "no control was timed (--control)"
+    gain, noise = 1 - row["B_over_A_median"], abs(row["A2_over_A_median"] - 1)
+    if row["B_over_A_max"] >= 1:
+        return False, f"B was not faster in every round (B/A up to {row['B_over_A_max']:.4f})"
+    if gain < MIN_GAIN or gain <= 2 * noise:
+        return False, f"gain {gain:.2%} below {MIN_GAIN:.0%} or twice the control's {noise:.2%}"
+    return True, f"B/A {row['B_over_A_median']:.4f}, every round faster, control A2/A {row['A2_over_A_median']:.4f}"
+
+
+def apply_rows(rows: list[dict], config_dir: Path, device: str) -> list[str]:
+    """Write side B's plan into ``config_dir``'s tuned file at each point ``verdict`` accepts (the
+    file copied from the shipped one first if ``config_dir`` has none); returns what it did."""
+    said = []
+    for row in rows:
+        ok, why = verdict(row)
+        where = f"{row['shape']} M={row['M']}"
+        if not ok:
+            said.append(f"{where}: kept ({why})")
+            continue
+        shape = SHAPES[row["shape"]]
+        name = configs.config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16, device)
+        path = Path(config_dir) / name
+        src = path if path.exists() else configs.CONFIG_DIR / name
+        table = json.loads(src.read_text())
+        if str(row["M"]) not in table:
+            said.append(f"{where}: kept (not a tuned point of {src.name})")
+            continue
+        table[str(row["M"])] = dict(row["sides"]["B"]["plan_dict"], us=round(row["B_median_us"], 1),
+                                    _from=f"benchmarks/ab_layer.py --apply ({why})")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_table(path, table)
+        said.append(f"{where}: B's plan written to {path} ({why})")
+    return said
+
+
 def ab_point(block, shape, m: int, dirs: dict[str, str | None], rounds: int, reps: int) -> dict:
     """``dirs``: side -> plan directory, captured in that order (``A2``, the control, is A's
     plans captured again after B's)."""
@@ -104,7 +153,8 @@ def ab_point(block, shape, m: int, dirs: dict[str, str | None], rounds: int, rep
                                        hidden=shape.hidden, inter=shape.inter, dtype=torch.bfloat16,
                                        device=inputs[0].device)
             graphs[side], outs[side] = capture(ours, inputs)
-            row["sides"][side] = {"dir": directory or "(shipped)", "plan": configs.describe_plan(plan)}
+            row["sides"][side] = {"dir": directory or "(shipped)", "plan": configs.describe_plan(plan),
+                                  "plan_dict": plan.to_dict()}
         use_plans(None)
     diff = ((outs["B"] - outs["A"]).norm() / outs["A"].norm()).item()
     row["rel_diff"] = diff
@@ -134,6 +184,11 @@ def main(argv=None) -> int:
                         help="change fields of these points' plans on side A (see plan_override.py)")
     parser.add_argument("--b-set", nargs="+", default=[], metavar="SHAPE:M:FIELD=VALUE,...",
                         help="the same for side B")
+    parser.add_argument("--apply", action="store_true",
+                        help="write B's plan into the tuned file where it wins (see verdict(); needs --control)")
+    parser.add_argument("--apply-to", default=None,
+                        help="directory of the tuned files --apply writes (default: $MOE_COMPILE_CONFIG_DIR if set, "
+                             "else the shipped ones)")
     parser.add_argument("--control", action="store_true",
                         help="also capture A's plans a second time after B's (side A2) and report A2 / A: "
                              "what capture order and buffer placement alone do to the ratio")
@@ -143,6 +198,9 @@ def main(argv=None) -> int:
     for side, directory in (("A", args.a_dir), ("B", args.b_dir)):
         if directory and not Path(directory).is_dir():
             parser.error(f"--{side.lower()}-dir {directory!r} is not a directory")
+    if args.apply and not args.control:
+        parser.error("--apply needs --control: a gain counts only against what the control moved")
+    apply_to = args.apply_to or str(configs.config_dirs()[0])
     for flag, specs in (("--a-set", args.a_set), ("--b-set", args.b_set)):
         for spec in specs:
             try:
@@ -188,6 +246,8 @@ def main(argv=None) -> int:
             write_json(args.out, "ab_layer.json", {"rows": rows})
         del block
         torch.cuda.empty_cache()
+    if args.apply:
+        print("\n".join(apply_rows(rows, Path(apply_to), configs.device_key(torch.device("cuda")))), flush=True)
     return 0
 
 

@@ -110,3 +110,45 @@ def test_override_of_an_untuned_point_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         ab_layer.main(["--points", "qwen3:8", "--b-set", "qwen3:8:gemm9.x=1"])
     assert "--b-set: plan override" in capsys.readouterr().err
+
+
+def _row(b_over_a, b_max, control, same=False):
+    a_plan = {"path": "sorted", "gemm1": {"block_m": 128}, "gemm2": {"block_m": 128}}
+    b_plan = a_plan if same else {"path": "sorted", "gemm1": {"block_m": 64}, "gemm2": {"block_m": 128}}
+    row = {"shape": "deepseek_v3", "M": 8192, "sides": {"A": {"plan_dict": a_plan}, "B": {"plan_dict": b_plan}},
+           "B_over_A_median": b_over_a, "B_over_A_max": b_max, "B_median_us": 12500.04}
+    if control is not None:
+        row["A2_over_A_median"] = control
+    return row
+
+
+@pytest.mark.parametrize("row, ok, why", [
+    (_row(0.9716, 0.9772, 1.0025), True, "every round faster"),  # run 7's expert order
+    (_row(1.0045, 1.0399, 1.0032), False, "not faster in every round"),  # run 7's split-K
+    (_row(0.995, 0.999, 1.0), False, "below 1%"),
+    (_row(0.98, 0.99, 1.012), False, "twice the control"),
+    (_row(0.97, 0.98, None), False, "no control"),
+    (_row(0.97, 0.98, 1.0, same=True), False, "same plan"),
+])
+def test_verdict_needs_every_round_and_a_margin_over_the_control(row, ok, why):
+    got, said = ab_layer.verdict(row)
+    assert got is ok and why in said
+
+
+def test_apply_writes_b_plan_only_where_it_won(tmp_path):
+    won, lost = _row(0.9716, 0.9772, 1.0025), _row(1.0045, 1.0399, 1.0032)
+    lost["shape"], lost["M"] = "mixtral", 2048
+    said = ab_layer.apply_rows([won, lost], tmp_path, "NVIDIA_H200")
+    name = configs.config_file_name(256, 7168, 2048, torch.bfloat16, "NVIDIA_H200")
+    table = json.loads((tmp_path / name).read_text())
+    shipped = json.loads((configs.CONFIG_DIR / name).read_text())
+    assert table["8192"]["gemm1"] == {"block_m": 64} and table["8192"]["us"] == 12500.0
+    assert "ab_layer.py --apply" in table["8192"]["_from"] and table["2048"] == shipped["2048"]
+    assert not (tmp_path / configs.config_file_name(8, 4096, 14336, torch.bfloat16, "NVIDIA_H200")).exists()
+    assert said[0].startswith("deepseek_v3 M=8192: B's plan written") and said[1].startswith("mixtral M=2048: kept")
+
+
+def test_apply_needs_the_control(capsys):
+    with pytest.raises(SystemExit):
+        ab_layer.main(["--points", "qwen3:8", "--apply"])
+    assert "--apply needs --control" in capsys.readouterr().err
