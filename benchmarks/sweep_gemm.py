@@ -1,6 +1,6 @@
 """Each expert GEMM alone, the tuned config against variants: K-depths and tiles, or tile order (CUDA).
 
-    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy|merge] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
+    python benchmarks/sweep_gemm.py [--variants group|blockk|expert|occupancy|merge|splitk|bigm] [--points qwen3:2048 ...] [--out DIR] [--budget-s 420]
 
 ``tune_triton.py`` searched 64-deep K-steps only for the large tiles. A memory-bound GEMM reads
 each weight row in ``block_k * 2``-byte pieces, and longer pieces may stream better from HBM, so
@@ -19,13 +19,14 @@ turn, so each expert's gathered rows left L2 before its next N-block read them).
 Seventh session: ``--variants expert`` orders the tiles expert by expert (a group of M-blocks
 never mixes experts, whose weight tiles would compete for L2).
 Tenth session: ``--variants occupancy`` times tiles small enough for two or three CTAs per SM.
-Thirteenth session: ``--variants bigm`` times 256-row blocks (the partial last block per expert
-is the cost ``merge`` measured; 256-row blocks leave none at ~256 or ~512 rows per expert).
 Eleventh session: ``--variants merge`` lets an expert's last block take up to ``merge_m`` rows
 past a full block, computed transposed on the same weight tiles (``GemmConfig.merge_m``), and also
 times the tuned config on a balanced routing (every expert the same number of rows, whole blocks at
 four of the six points): what the GEMM would cost with no partial blocks at all, the most any
 handling of the last blocks can gain.
+Thirteenth session: ``--variants bigm`` times 256-row blocks (the partial last block per expert
+is the cost ``merge`` measured; 256-row blocks leave none at ~256 or ~512 rows per expert).
+They were slower at every GEMM tried (12-46 %, ``results/README.md``).
 """
 from __future__ import annotations
 

@@ -230,7 +230,7 @@ def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
             out.append(replace(plan, gemm1=replace(plan.gemm1, group_m=group)))
             out.append(replace(plan, gemm2=replace(plan.gemm2, group_m=group)))
         # the tiles expert by expert, so a group never mixes experts (thirteenth session: both GEMMs
-        # so ordered took DeepSeek-V3 M = 8192's layer 2.8-3.3 % faster, ab_layer.py with a control)
+        # so ordered took DeepSeek-V3 M = 8192's layer 1.5-3.3 % faster, ab_layer.py with a control)
         if per_expert > 32:
             eo1 = replace(plan.gemm1, expert_order=1, group_m=ALL_M)
             eo2 = replace(plan.gemm2, expert_order=1, group_m=ALL_M)
