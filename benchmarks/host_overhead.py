@@ -1,6 +1,7 @@
 """Host-side (Python) cost of one fused_moe call, without a GPU.
 
     python benchmarks/host_overhead.py
+    python benchmarks/host_overhead.py --ab-helpers   # the whole op with triton's helpers vs ours, alternated
 
 Four figures, each the mean of many calls on this CPU:
 
@@ -9,6 +10,9 @@ Four figures, each the mean of many calls on this CPU:
 - ``custom-op dispatch``: ``torch.ops.moe_compile.fused_moe`` directly, minus the op's Python body;
 - ``tuned-plan lookup``: the plan the CUDA experts look up on every call, cached as it runs and with
   the cache bypassed (twelfth session: the cache);
+- ``host helpers``: one call of ``triton.cdiv`` / ``triton.next_power_of_2`` against the plain
+  ``cdiv`` / ``next_pow2`` the kernels' host code now uses (thirteenth session: Triton 3.9 made
+  them constexpr functions costing ~2.5 µs a call; the op made about a dozen such calls);
 - ``CUDA lowering Python``: the whole op through the CUDA lowering at a Qwen3-30B-A3B decode shape
   (M=1, E=128, top-8, H=2048, I=768) with every Triton launch stubbed out, run in a child process
   under ``TRITON_INTERPRET=1`` so the lowering accepts CPU tensors: our own Python around the
@@ -73,6 +77,17 @@ def plan_lookup_figures() -> None:
     print(f"tuned-plan lookup, without its cache:                {uncached:8.1f} us")
 
 
+def helper_figures() -> None:
+    import triton
+
+    from moe_compile.kernels.triton import cdiv, next_pow2
+
+    for name, theirs, ours, args in (("cdiv", triton.cdiv, cdiv, (1000, 64)),
+                                     ("next_power_of_2", triton.next_power_of_2, next_pow2, (1000,))):
+        print(f"host helper {name}: triton {mean_us(lambda: theirs(*args), 20000):6.2f} us, "
+              f"ours {mean_us(lambda: ours(*args), 20000):6.2f} us per call")
+
+
 def lowering_figure() -> None:
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -90,12 +105,62 @@ def lowering_figure() -> None:
     print(f"CUDA lowering Python, Triton launches stubbed (M=1):  {us:8.1f} us")
 
 
+def helpers_ab(rounds: int = 8) -> None:
+    """The op through ``torch.ops`` (launches stubbed, Qwen3-30B-A3B M=1) with the kernels' host code
+    calling ``triton.cdiv`` / ``triton.next_power_of_2`` (A) or the plain helpers (B), alternated."""
+    import importlib
+
+    import torch
+    import triton
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
+        cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    import moe_compile  # noqa: F401  (registers the ops)
+    from moe_compile.kernels.triton import cdiv, next_pow2
+
+    mods = [importlib.import_module(f"moe_compile.kernels.triton.{m}")
+            for m in ("gemm", "align", "combine", "routing", "router", "gemm_layout", "activation", "gemv")]
+    e, h, i, k = 128, 2048, 768, 8
+    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
+    w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
+    w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
+    kw = dict(num_experts=e, top_k=k, routing_method="softmax", renormalize=True, routed_scaling_factor=1.0,
+              k_group=1, group_count=1, group_select_mode=0, normalize_sigmoid=True, scoring_after_topk=False,
+              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
+              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
+              tokens_full=True, reduce_results=True, lowering="cuda")
+
+    def call():
+        torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **kw)
+
+    times: dict[str, list[float]] = {"A triton helpers": [], "B plain helpers": []}
+    for _ in range(rounds):
+        for side, ours in (("A triton helpers", False), ("B plain helpers", True)):
+            for m in mods:
+                if hasattr(m, "cdiv"):
+                    m.cdiv = cdiv if ours else triton.cdiv
+                if hasattr(m, "next_pow2"):
+                    m.next_pow2 = next_pow2 if ours else triton.next_power_of_2
+            times[side].append(mean_us(call, 200))
+    for side, t in times.items():
+        print(f"{side}: {min(t):7.1f} us (best of {rounds} rounds; all: {[round(v, 1) for v in t]})")
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        lowering_figure()
+        if "--ab-helpers" in sys.argv:
+            helpers_ab()
+        else:
+            lowering_figure()
         return 0
+    if "--ab-helpers" in sys.argv:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+        return subprocess.run([sys.executable, __file__, "--ab-helpers"], env=env).returncode
     dispatch_figures()
     plan_lookup_figures()
+    helper_figures()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, __file__], env=env).returncode
 

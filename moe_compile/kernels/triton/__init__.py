@@ -6,6 +6,17 @@ import os
 import re
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code: Triton 3.9's ``triton.cdiv`` is a constexpr function whose
+    host call costs several µs, and the op makes about ten such calls per layer call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0, as ``triton.next_power_of_2``), for host code."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def interpreting() -> bool:
     """Whether Triton's CPU interpreter runs the kernels (``TRITON_INTERPRET`` set)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

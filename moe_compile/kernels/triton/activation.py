@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv
+
 from moe_compile.ops.activation import apply_activation as activation_reference
 from moe_compile.ops.config import Activation, ExpertsConfig
 
@@ -120,7 +122,7 @@ def activation(h: torch.Tensor, cfg: ExpertsConfig, out: torch.Tensor | None = N
     up_off = 1 if interleaved else inter
     col_mult = 2 if interleaved else 1
     block_r, block_n = 8, 256
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(inter, block_n))
+    grid = (cdiv(rows, block_r), cdiv(inter, block_n))
     _act_kernel[grid](h, out, num_rows if num_rows is not None else h, rows, inter, h.stride(0), out.stride(0),
                       up_off, col_mult, float(cfg.swiglu_alpha), float(cfg.swiglu_limit),
                       GATED=gated, ACT=act_code(cfg), HAS_ROWS=num_rows is not None,

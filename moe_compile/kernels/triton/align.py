@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv, next_pow2
+
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.modular.slots import batched_slots
 
@@ -218,19 +220,19 @@ FORCE: str | None = None  # a method for every call (benchmarks compare them sid
 def blocks_layout(pairs: int, num_local: int) -> tuple[int, int, int]:
     """``(pairs per block, blocks, blocks padded to a power of two)`` of the ``blocks`` method:
     a block's ``[pairs, experts]`` select stays at 8192 entries."""
-    block = max(16, min(256, 8192 // triton.next_power_of_2(num_local)))
-    nb = triton.cdiv(pairs, block)
-    return block, nb, triton.next_power_of_2(nb)
+    block = max(16, min(256, 8192 // next_pow2(num_local)))
+    nb = cdiv(pairs, block)
+    return block, nb, next_pow2(nb)
 
 
 def _blocks_fit(pairs: int, num_local: int) -> bool:
     """Whether the ``blocks`` method's count table stays within ``BLOCKS_MAX_TABLE`` entries."""
-    return blocks_layout(pairs, num_local)[2] * triton.next_power_of_2(num_local) <= BLOCKS_MAX_TABLE
+    return blocks_layout(pairs, num_local)[2] * next_pow2(num_local) <= BLOCKS_MAX_TABLE
 
 
 def _sort_fits(pairs: int, num_local: int) -> bool:
     """Whether the sort's int32 keys ``expert * P_PAD + pair`` hold ``pairs`` pairs."""
-    return (triton.next_power_of_2(num_local) + 1) * triton.next_power_of_2(pairs) <= 2 ** 31 - 1
+    return (next_pow2(num_local) + 1) * next_pow2(pairs) <= 2 ** 31 - 1
 
 
 def align_method(pairs: int, gather: bool, num_local: int = 1) -> str:
@@ -278,9 +280,9 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         return Alignment(sorted_pair, pos, counts.zero_(), offsets.zero_(), x_sorted)
     has_map = expert_map is not None
     ids_map = expert_map if has_map else topk_ids
-    e_pad = triton.next_power_of_2(num_local)
+    e_pad = next_pow2(num_local)
     if method == "sort":
-        p_pad = triton.next_power_of_2(pairs)
+        p_pad = next_pow2(pairs)
         if not _sort_fits(pairs, num_local):
             raise ValueError(f"method='sort' takes at most {(2 ** 31 - 1) // (e_pad + 1)} pairs with {num_local} "
                              f"local experts (int32 sort keys), but got {pairs} pairs; use method='two_launch'.")
@@ -289,8 +291,8 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
                                  **pdl_launch(dev))
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     hidden = 0 if x is None else x.shape[1]
-    block_h, chunk_h = (16, 0) if x is None else (max(16, min(256, triton.next_power_of_2(hidden))), 512)
-    h_chunks = triton.cdiv(hidden, chunk_h) if x is not None else 1
+    block_h, chunk_h = (16, 0) if x is None else (max(16, min(256, next_pow2(hidden))), 512)
+    h_chunks = cdiv(hidden, chunk_h) if x is not None else 1
     if method == "blocks":
         bblock, nb, nb_pad = blocks_layout(pairs, num_local)
         if not _blocks_fit(pairs, num_local):  # every scatter program holds the whole table
@@ -307,13 +309,13 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
             BLOCK_H=block_h, num_warps=4 if nb_pad * e_pad <= 4096 else 8, **pdl_launch(dev))
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     rank = torch.empty(pairs, dtype=torch.int32, device=dev)
-    grid = (triton.cdiv(pairs, block),)
+    grid = (cdiv(pairs, block),)
     _count_kernel[grid](topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
                         num_warps=4, **pdl_launch(dev))
     # with the row gather the copy is split over H too (chunks of 512 columns, a multiple of
     # block_h), so even a few hundred pairs fill the GPU
     scatter_block = max(16, min(block if x is None else 64, 8192 // e_pad))
-    grid = (triton.cdiv(pairs, scatter_block), h_chunks)
+    grid = (cdiv(pairs, scatter_block), h_chunks)
     _scatter_kernel[grid](
         topk_ids, ids_map, counts, rank, sorted_pair, pos, offsets,
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv, next_pow2
+
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 
 
@@ -58,7 +60,7 @@ def combine_blocks(hidden: int) -> tuple[int, int, int]:
     within 6 % of the fastest candidate on average and faster than the previous rule (4 x 1024,
     4 warps) at all 15 of the issue's points on the H200: e.g. Qwen3 T=256 6.4 -> 5.5 us, DeepSeek-V3
     T=2048 66.2 -> 64.4 us (``benchmarks/bench_align_combine.py``, ``results/align_combine.json``)."""
-    block_h = min(256, triton.next_power_of_2(hidden))
+    block_h = min(256, next_pow2(hidden))
     return 8, block_h, 8 if block_h == 256 else 4
 
 
@@ -84,12 +86,12 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *, p
     if num_tokens == 0:
         return out
     block_t, block_h, warps = blocks or combine_blocks(hidden)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     ids = topk_ids if topk_ids is not None else pos
     _combine_kernel[grid](y, topk_weights, pos if pos is not None else ids, ids,
                           expert_map if expert_map is not None else ids, out, num_tokens, hidden, num_local,
                           rows.stride(0), out.stride(0), y.stride(0) if splits > 1 else 0, TOP_K=top_k,
-                          K_PAD=triton.next_power_of_2(top_k),
+                          K_PAD=next_pow2(top_k),
                           PAIR_ROWS=pos is None, HAS_MAP=expert_map is not None, WEIGHTED=weighted,
                           BLOCK_T=block_t, BLOCK_H=block_h, SPLITS=splits, num_warps=warps, **pdl_launch(y.device))
     return out

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_compile.kernels.triton import interpreting
+from moe_compile.kernels.triton import cdiv, interpreting, next_pow2
 from moe_compile.kernels.triton.activation import act_code, apply_act
 from moe_compile.kernels.triton.gemm_layout import (
     _block_rows, _blocks_of, _expert_pid, _grouped_pid, _split_of, max_m_blocks,
@@ -434,7 +434,7 @@ def moe_gemm(
         raise ValueError(f"config.merge_m={merge_m} must be 0 or a power of two >= 16 (the extra rows are an "
                          f"MMA's N side) and below block_m={cfg.block_m}.")
     nbm = max_m_blocks(pairs, num_local, cfg.block_m, pair_blocks)
-    tiles = nbm * triton.cdiv(n_cols, cfg.block_n) * split_k
+    tiles = nbm * cdiv(n_cols, cfg.block_n) * split_k
     persistent = bool(cfg.persistent) and not pair_blocks
     if persistent:
         launched = min(tiles, num_programs(a.device))
@@ -460,7 +460,7 @@ def moe_gemm(
         GATED=gated, ACT=act_code(experts) if experts is not None else NO_ACT, HAS_BIAS=bias is not None,
         EVEN_K=a.shape[1] % cfg.block_k == 0, IEEE=a.dtype == torch.float32,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        E_PAD=triton.next_power_of_2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
+        E_PAD=next_pow2(num_local), W_TMA=w_desc is not None, A_TMA=a_desc is not None,
         BATCHED=row_stride > 0, TAIL_M=cfg.tail_m if 0 < cfg.tail_m < cfg.block_m and not pair_blocks else 0,
         PERSISTENT=persistent, FLATTEN=persistent and cfg.persistent > 1, EXPERT_ORDER=bool(cfg.expert_order) and not pair_blocks,
         MERGE_M=merge_m, MERGE_PASS=1 if merge_m and cfg.merge_launch else 0, SPLIT_K=split_k,
@@ -470,7 +470,7 @@ def moe_gemm(
     _moe_gemm_kernel[grid](*args, **consts)
     if consts["MERGE_PASS"]:  # the merged last blocks: one program per (expert, N-block)
         consts.update(MERGE_PASS=2, PERSISTENT=False, FLATTEN=False, EXPERT_ORDER=False)
-        _moe_gemm_kernel[(num_local * triton.cdiv(n_cols, cfg.block_n) * split_k,)](*args, **consts)
+        _moe_gemm_kernel[(num_local * cdiv(n_cols, cfg.block_n) * split_k,)](*args, **consts)
     return out
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv
+
 @triton.jit
 def _num_blocks(counts, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
     """M-blocks of experts holding ``counts`` rows: ``BLOCK_M`` rows each, except that with
@@ -128,7 +130,7 @@ def max_m_blocks(pairs: int, num_local: int, block_m: int, pair_blocks: bool) ->
     """An upper bound on the M-blocks (every expert adds at most one partial block)."""
     if pair_blocks:
         return pairs
-    return triton.cdiv(pairs, block_m) + min(num_local, pairs)
+    return cdiv(pairs, block_m) + min(num_local, pairs)
 
 
 __all__ = ["max_m_blocks"]

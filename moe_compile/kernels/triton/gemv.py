@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv
+
 from moe_compile.kernels.triton.activation import act_code, apply_act
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import intermediate_size
@@ -151,7 +153,7 @@ def gemv_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     emap = expert_map if expert_map is not None else ids
     pdl = pdl_launch(x.device)
     bn, bk, warps = up
-    _gemv_up_kernel[(pairs, triton.cdiv(inter, bn))](
+    _gemv_up_kernel[(pairs, cdiv(inter, bn))](
         x, w13, w13_bias if w13_bias is not None else w13, ids, emap, act, hidden, inter, num_local,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         0 if w13_bias is None else w13_bias.stride(0), 0 if w13_bias is None else w13_bias.stride(1), act.stride(0),
@@ -159,7 +161,7 @@ def gemv_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
         TOP_K=top_k, HAS_MAP=expert_map is not None, HAS_BIAS=w13_bias is not None, GATED=gated,
         ACT=act_code(config), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
     bn, bk, warps = down
-    _gemv_down_kernel[(num_tokens, triton.cdiv(hidden, bn))](
+    _gemv_down_kernel[(num_tokens, cdiv(hidden, bn))](
         act, w2, w2_bias if w2_bias is not None else w2, ids, emap, topk_weights, out, inter, hidden, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         0 if w2_bias is None else w2_bias.stride(0), 0 if w2_bias is None else w2_bias.stride(1), out.stride(0),

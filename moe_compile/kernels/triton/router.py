@@ -40,6 +40,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv, next_pow2
+
 from moe_compile.kernels.triton.gemm import num_programs
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.routing import check_out_dtype, check_router_inputs, router_logits_reference
@@ -161,8 +163,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     if num_tokens > GEMV_MAX_TOKENS:
         return _gemm(x, weight, bias, out)
-    block_t = triton.next_power_of_2(num_tokens)
-    block_h = min(triton.next_power_of_2(hidden), max(512, 16384 // block_t))
+    block_t = next_pow2(num_tokens)
+    block_h = min(next_pow2(hidden), max(512, 16384 // block_t))
     _gemv_kernel[(num_experts,)](x, weight, bias if bias is not None else out, out, num_tokens, hidden,
                                  x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                                  BLOCK_T=block_t, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=8,
@@ -174,9 +176,9 @@ def lowp_tiles(num_tokens: int, num_experts: int, num_sms: int) -> tuple[int, in
     """``(block_t, block_e)`` of the tensor-core kernel for low-precision logits, which take the
     whole H axis in one program (a split would need an fp32 pass before the rounding): the
     largest tiles that still give every SM a program, at least 16 x 16."""
-    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
-    block_e = min(128, max(16, triton.next_power_of_2(num_experts)))
-    while triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e) < num_sms:
+    block_t = min(64, max(16, next_pow2(num_tokens)))
+    block_e = min(128, max(16, next_pow2(num_experts)))
+    while cdiv(num_tokens, block_t) * cdiv(num_experts, block_e) < num_sms:
         if block_e >= block_t and block_e > 16:
             block_e //= 2
         elif block_t > 16:
@@ -190,13 +192,13 @@ def h_splits(num_tokens: int, num_experts: int, hidden: int, num_sms: int) -> tu
     """``(block_t, block_e, splits, h_per_program)`` of the tensor-core kernel: token x expert
     tiles, and the H axis cut into ``splits`` ranges (multiples of 64 wide, at least 8 steps
     each) while the grid stays within one program per SM."""
-    block_t = min(64 if num_tokens <= 1024 else 128, max(16, triton.next_power_of_2(num_tokens)))
-    block_e = min(128, max(16, triton.next_power_of_2(num_experts)))
-    tiles = triton.cdiv(num_tokens, block_t) * triton.cdiv(num_experts, block_e)
-    steps = triton.cdiv(hidden, 64)
+    block_t = min(64 if num_tokens <= 1024 else 128, max(16, next_pow2(num_tokens)))
+    block_e = min(128, max(16, next_pow2(num_experts)))
+    tiles = cdiv(num_tokens, block_t) * cdiv(num_experts, block_e)
+    steps = cdiv(hidden, 64)
     splits = max(1, min(num_sms // tiles, steps // 8))
-    h_per_program = triton.cdiv(steps, splits) * 64
-    return block_t, block_e, triton.cdiv(hidden, h_per_program), h_per_program
+    h_per_program = cdiv(steps, splits) * 64
+    return block_t, block_e, cdiv(hidden, h_per_program), h_per_program
 
 
 def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
@@ -212,8 +214,8 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out:
         block_t, block_e, splits, h_per = h_splits(num_tokens, num_experts, hidden, num_programs(x.device))
     else:
         block_t, block_e = tiles or lowp_tiles(num_tokens, num_experts, num_programs(x.device))
-        splits, h_per = 1, triton.cdiv(hidden, 64) * 64
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_experts, block_e), splits)
+        splits, h_per = 1, cdiv(hidden, 64) * 64
+    grid = (cdiv(num_tokens, block_t), cdiv(num_experts, block_e), splits)
     dest = out if splits == 1 else torch.empty(splits, num_tokens, num_experts, dtype=torch.float32,
                                                device=x.device)
     _gemm_kernel[grid](x, weight, bias if bias is not None else out, dest, num_tokens, num_experts, hidden, h_per,

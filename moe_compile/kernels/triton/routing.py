@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_compile.kernels.triton import cdiv
+
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts as route_reference
@@ -187,7 +189,7 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
     eps = cfg.sigmoid_eps if sigmoid else 0.0
     bias = e_score_correction_bias
     has_bias = bias is not None and not cfg.scoring_after_topk
-    grid = (triton.cdiv(num_tokens, block_t),)
+    grid = (cdiv(num_tokens, block_t),)
     _route_kernel[grid](
         router_logits, bias if has_bias else weights, weights, ids,
         num_tokens, groups, per_group, router_logits.stride(0), float(cfg.routed_scaling_factor), float(eps),
