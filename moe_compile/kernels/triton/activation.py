@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
-
 from moe_compile.ops.activation import apply_activation as activation_reference
 from moe_compile.ops.config import Activation, ExpertsConfig
 

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, next_pow2
-
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 
 

@@ -31,7 +31,6 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
-
 from moe_compile.kernels.triton.activation import act_code, apply_act
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import intermediate_size

@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, next_pow2
-
 from moe_compile.kernels.triton.gemm import num_programs
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.routing import check_out_dtype, check_router_inputs, router_logits_reference

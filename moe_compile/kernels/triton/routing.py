@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
-
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts as route_reference
