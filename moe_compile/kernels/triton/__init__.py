@@ -7,8 +7,8 @@ import re
 
 
 def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for host code: Triton 3.9's ``triton.cdiv`` is a constexpr function whose
-    host call costs several µs, and the op makes about ten such calls per layer call."""
+    """``ceil(a / b)`` for host code: ``triton.cdiv`` is a constexpr function (Triton 3.6 and 3.9)
+    whose host call costs ~2.5 µs here, and the op made about a dozen such calls per layer call."""
     return -(-a // b)
 
 
