@@ -33,7 +33,6 @@ run 8: B/A 0.9845, A2/A 0.9991): that plan now uses it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -50,7 +49,7 @@ from bench_moe_layer import (  # noqa: E402
     write_json,
 )
 
-from plan_override import parse_override, write_overrides  # noqa: E402
+from plan_override import parse_override, tuned_table, write_overrides  # noqa: E402
 from tune_triton import write_table  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
@@ -121,13 +120,9 @@ def apply_rows(rows: list[dict], config_dir: Path, device: str) -> list[str]:
         if not ok:
             said.append(f"{where}: kept ({why})")
             continue
-        shape = SHAPES[row["shape"]]
-        name = configs.config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16, device)
-        path = Path(config_dir) / name
-        src = path if path.exists() else configs.CONFIG_DIR / name
-        table = json.loads(src.read_text())
+        path, table = tuned_table(SHAPES[row["shape"]], config_dir, device)
         if str(row["M"]) not in table:
-            said.append(f"{where}: kept (not a tuned point of {src.name})")
+            said.append(f"{where}: kept (not a tuned point of {path.name})")
             continue
         table[str(row["M"])] = dict(row["sides"]["B"]["plan_dict"], us=round(row["B_median_us"], 1),
                                     _from=f"benchmarks/ab_layer.py --apply ({why})")

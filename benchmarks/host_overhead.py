@@ -39,6 +39,31 @@ def mean_us(fn, n: int = 2000) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def op_kwargs(num_experts: int, top_k: int, lowering: str) -> dict:
+    """The scalar arguments of ``torch.ops.moe_compile.fused_moe`` for softmax top-k routing."""
+    return dict(num_experts=num_experts, top_k=top_k, routing_method="softmax", renormalize=True,
+                routed_scaling_factor=1.0, k_group=1, group_count=1, group_select_mode=0, normalize_sigmoid=True,
+                scoring_after_topk=False, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0,
+                gate_up_interleaved=False, apply_router_weight_on_input=False, tp_group_name=None,
+                ep_group_name=None, dispatcher_type=None, tokens_full=True, reduce_results=True, lowering=lowering)
+
+
+def stubbed_decode_inputs():
+    """Every Triton launch stubbed out, and a Qwen3-30B-A3B decode step's tensors (M=1, E=128,
+    top-8, H=2048, I=768, bf16, HF's transposed weights): ``(x, logits, w13, w2, num_experts, top_k)``."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
+        cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    e, h, i, k = 128, 2048, 768, 8
+    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
+    w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
+    w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
+    return x, logits, w13, w2, e, k
+
+
 def dispatch_figures() -> None:
     import torch
 
@@ -49,11 +74,7 @@ def dispatch_figures() -> None:
     x, logits = torch.randn(1, h), torch.randn(1, e)
     w13, w2 = torch.randn(e, 2 * i, h).transpose(1, 2), torch.randn(e, h, i).transpose(1, 2)
     custom_op._run = lambda cfg, inputs: inputs.hidden_states.clone()  # the lowering, replaced
-    kw = dict(num_experts=e, top_k=k, routing_method="softmax", renormalize=True, routed_scaling_factor=1.0,
-              k_group=1, group_count=1, group_select_mode=0, normalize_sigmoid=True, scoring_after_topk=False,
-              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
-              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
-              tokens_full=True, reduce_results=True, lowering="auto")
+    kw = op_kwargs(e, k, "auto")
     whole = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True))
     op = mean_us(lambda: torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **kw))
     body = mean_us(lambda: custom_op.fused_moe_op._init_fn(x, logits, w13, w2, None, None, None, **kw))
@@ -89,18 +110,9 @@ def helper_figures() -> None:
 
 
 def lowering_figure() -> None:
-    import torch
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
-        cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    x, logits, w13, w2, e, k = stubbed_decode_inputs()
     from moe_compile import fused_moe
 
-    e, h, i, k = 128, 2048, 768, 8
-    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
-    w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
-    w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
     us = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True, lowering="cuda"), 500)
     print(f"CUDA lowering Python, Triton launches stubbed (M=1):  {us:8.1f} us")
 
@@ -112,25 +124,14 @@ def helpers_ab(rounds: int = 8) -> None:
 
     import torch
     import triton
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
 
-    for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
-        cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
+    x, logits, w13, w2, e, k = stubbed_decode_inputs()
     import moe_compile  # noqa: F401  (registers the ops)
     from moe_compile.kernels.triton import cdiv, next_pow2
 
     mods = [importlib.import_module(f"moe_compile.kernels.triton.{m}")
             for m in ("gemm", "align", "combine", "routing", "router", "gemm_layout", "activation", "gemv")]
-    e, h, i, k = 128, 2048, 768, 8
-    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
-    w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
-    w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
-    kw = dict(num_experts=e, top_k=k, routing_method="softmax", renormalize=True, routed_scaling_factor=1.0,
-              k_group=1, group_count=1, group_select_mode=0, normalize_sigmoid=True, scoring_after_topk=False,
-              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
-              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
-              tokens_full=True, reduce_results=True, lowering="cuda")
+    kw = op_kwargs(e, k, "cuda")
 
     def call():
         torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **kw)

@@ -62,6 +62,17 @@ def parse_override(spec: str, shapes: dict) -> tuple[str, int, dict[str, object]
     return name, int(m), changes
 
 
+def tuned_table(shape, directory: Path, device: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:
+    """``(path in directory, table)`` of ``shape``'s tuned file: the table from ``directory`` when it
+    has the file, else the shipped one (``ValueError`` when neither exists)."""
+    name = config_file_name(shape.num_experts, shape.hidden, shape.inter, dtype, device)
+    path = Path(directory) / name
+    src = path if path.exists() else CONFIG_DIR / name
+    if not src.exists():
+        raise ValueError(f"no tuned file {name} for device {device!r} in {directory} or {CONFIG_DIR}")
+    return path, json.loads(src.read_text())
+
+
 def write_overrides(specs: list[str], shapes: dict, base_dir: str | None, out_dir: Path, device: str,
                     dtype: torch.dtype = torch.bfloat16) -> list[str]:
     """Fill ``out_dir`` with ``base_dir``'s tuned files and the overridden ones; returns one line per
@@ -73,14 +84,12 @@ def write_overrides(specs: list[str], shapes: dict, base_dir: str | None, out_di
     said = []
     for spec in specs:
         name, m, changes = parse_override(spec, shapes)
-        shape = shapes[name]
-        file_name = config_file_name(shape.num_experts, shape.hidden, shape.inter, dtype, device)
-        src = out_dir / file_name if (out_dir / file_name).exists() else CONFIG_DIR / file_name
-        if not src.exists():
-            raise ValueError(f"plan override {spec!r}: no tuned file {file_name} for device {device!r}")
-        table = json.loads(src.read_text())
+        try:
+            path, table = tuned_table(shapes[name], out_dir, device, dtype)
+        except ValueError as exc:
+            raise ValueError(f"plan override {spec!r}: {exc}") from None
         if str(m) not in table:
-            raise ValueError(f"plan override {spec!r}: {src} has no plan for M={m} (it has "
+            raise ValueError(f"plan override {spec!r}: {path.name} has no plan for M={m} (it has "
                              f"{sorted(int(k) for k in table if k.isdigit())})")
         entry = table[str(m)]
         before = Plan.from_dict(entry)
@@ -92,6 +101,6 @@ def write_overrides(specs: list[str], shapes: dict, base_dir: str | None, out_di
                 entry[key] = value
         after = Plan.from_dict(entry)  # the changed entry must still be a plan
         entry["_from"] = f"benchmarks/plan_override.py: {spec}"
-        (out_dir / file_name).write_text(json.dumps(table, indent=1))
+        path.write_text(json.dumps(table, indent=1))
         said.append(f"{name} M={m}: {spec.split(':', 2)[2]} ({'no change' if before == after else 'changed'})")
     return said

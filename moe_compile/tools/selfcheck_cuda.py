@@ -12,7 +12,7 @@ that is how CI tests this tool; it says nothing about a GPU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -136,8 +136,6 @@ def _align_check(s: Setup, ids: torch.Tensor, method: str) -> Check:
 def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     from moe_compile.kernels.triton.configs import ExpertsPath, Plan
     from moe_compile.kernels.triton.experts import _grouped_mm_ok, fused_experts
-    from dataclasses import replace
-
     from moe_compile.kernels.triton.gemm import GemmConfig
     from moe_compile.modular import ModularKernel, ReferenceExperts, StandardPrepareAndFinalize
     from moe_compile.ops.config import ExpertsConfig

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
 
+
 @triton.jit
 def _num_blocks(counts, BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
     """M-blocks of experts holding ``counts`` rows: ``BLOCK_M`` rows each, except that with
