@@ -4,7 +4,9 @@ what each rank reports.
 One spawn serves many cases: the worker runs them all and returns ``{case_id: error or None}``;
 the test then asserts on every rank's report. Rendezvous goes through a fresh ``file://`` path,
 so parallel pytest-xdist workers never collide on a port. The default group's collectives time
-out after ``GROUP_TIMEOUT`` seconds, and the parent kills ranks that outlive ``deadline_s``.
+out after ``GROUP_TIMEOUT`` seconds, and the parent kills ranks that outlive ``deadline_s`` (480 s by
+default: on the H200 under ``pytest -n 12`` the two gloo ranks, compiling under the Triton interpreter,
+once took longer than the 240 s it was before).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def _entry(target, rank: int, world_size: int, init_method: str, out_dir: str, a
             dist.destroy_process_group()
 
 
-def run_workers(target, world_size: int, *args, deadline_s: float = 240.0, backend: str = "gloo") -> list[dict]:
+def run_workers(target, world_size: int, *args, deadline_s: float = 480.0, backend: str = "gloo") -> list[dict]:
     """``target(rank, world_size, *args) -> dict`` on ``world_size`` ranks; the reports by rank.
     ``backend="nccl"`` puts rank r on GPU r (NVLink multicast off, as on the H200 machines)."""
     if backend == "nccl":
@@ -69,7 +71,8 @@ def run_workers(target, world_size: int, *args, deadline_s: float = 240.0, backe
         p.join(max(0.0, end - time.monotonic()))
     reports = []
     for rank, p in enumerate(procs):
-        if p.is_alive():
+        killed = p.is_alive()
+        if killed:
             p.kill()  # only the ranks this call started
             p.join()
         path = os.path.join(out_dir, f"rank{rank}.pkl")
@@ -77,7 +80,8 @@ def run_workers(target, world_size: int, *args, deadline_s: float = 240.0, backe
             with open(path, "rb") as f:
                 reports.append(pickle.load(f))
         else:
-            reports.append({"<worker>": f"rank {rank} left no report (exit code {p.exitcode})"})
+            why = f"killed, still running after {deadline_s:.0f} s" if killed else f"exit code {p.exitcode}"
+            reports.append({"<worker>": f"rank {rank} left no report ({why})"})
     return reports
 
 
