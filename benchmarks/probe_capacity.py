@@ -55,17 +55,21 @@ def replay_us(graph, reps: int) -> float:
 
 
 def rest_problem(counts: torch.Tensor, cap: int, top_k: int, hidden: int):
-    """A routing whose expert ``e`` gets ``max(counts[e] - cap, 0)`` rows (padded to whole tokens)."""
+    """``(x, topk_weights, topk_ids)`` on ``counts``' device: expert ``e`` gets ``max(counts[e] - cap,
+    0)`` rows, plus fewer than ``top_k`` padding rows (to whole tokens) on the experts with the
+    fewest. Rows are dealt out expert-sorted, ``top_k`` apart, so a token's experts are distinct
+    while no expert has more rows than there are tokens."""
+    device = counts.device
     rest = (counts - cap).clamp(min=0)
-    flat = torch.repeat_interleave(torch.arange(counts.numel(), device="cuda"), rest)
+    flat = torch.repeat_interleave(torch.arange(counts.numel(), device=device), rest)
     tokens = max(1, -(-flat.numel() // top_k))
     pad = tokens * top_k - flat.numel()
     if pad:  # the padding rows go to the experts with the fewest rows left over
         flat = torch.cat([flat, torch.argsort(rest)[:pad].to(flat.dtype)])
         flat, _ = torch.sort(flat)
     ids = flat.view(top_k, tokens).t().contiguous().to(torch.int32)
-    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-    w = torch.full((tokens, top_k), 1.0 / top_k, device="cuda")
+    x = torch.randn(tokens, hidden, device=device).bfloat16()
+    w = torch.full((tokens, top_k), 1.0 / top_k, device=device)
     return x, w, ids
 
 
@@ -74,7 +78,7 @@ def probe(name: str, m: int, fracs, reps: int, rounds: int, sync_each: bool = Fa
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
     weights = hf_layout_weights(shape)
     calls = problem(shape, m, weights)
-    counts = [torch.bincount(ids.flatten().long(), minlength=e) for _, _, ids in calls]
+    counts = [torch.bincount(ids.flatten().long(), minlength=e) for _, _, ids in calls]  # on the GPU
     allc = torch.stack(counts).float()
     print(f"\n{name} M={m}: rows per expert mean {allc.mean():.1f}, min {allc.min():.0f}, max {allc.max():.0f}, "
           f"sd {allc.std():.1f}", flush=True)
@@ -156,7 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sync-each", action="store_true", help="synchronize after each graph's first replays")
     args = parser.parse_args(argv)
     if not cuda_or_say("probe_capacity"):
-        return 0
+        return 2
     for name, m in args.points:
         probe(name, m, args.caps, args.reps, args.rounds, args.sync_each)
         torch.cuda.empty_cache()
