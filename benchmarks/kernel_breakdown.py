@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, point  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, capture_graph, point  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
@@ -55,14 +55,7 @@ def breakdown(name: str, m: int, reps: int = 5, layer: bool = False) -> None:
             for x, w, ids in calls:
                 fused_experts(x, w, ids, weights, plan=plan)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph, _ = capture_graph(lambda _: run(), [None])  # one warm-up pass on a side stream, then capture
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -11,6 +11,11 @@ the benchmark's routings; and the two in one graph, one after the other. All
 times are CUDA-graph replays in one process, rounds interleaved (A B C ... A B C). It leaves out
 the gather into ``[E, C, H]`` and the combine's second source, so it is the split's best case:
 if this does not beat the tuned experts, the split cannot.
+
+Fourteenth session, H200 (``results/README.md``): the bulk ran at 581-650 TFLOP/s, but the rest
+reads every hit expert's weights again; Mixtral M = 2048 1.06-1.08x the tuned experts, M = 8192
+1.00x, Qwen3 M = 8192 0.91-0.92x before the gather it leaves out, so the split was not built.
+(That run timed a round as the mean of its replays; a round is now their median.)
 """
 from __future__ import annotations
 
@@ -24,7 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, ROTATE, SHAPES, cuda_or_say, point  # noqa: E402
+from bench_moe_layer import (  # noqa: E402
+    BF16_FLOP_PER_S, ROTATE, SHAPES, _event_time, capture_graph, cuda_or_say, point,
+)
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.triton.activation import activation  # noqa: E402
@@ -33,25 +40,13 @@ from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 
 def graph_of(run):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
+    """A CUDA graph of ``run()`` (warmed up once on a side stream, as ``capture_graph`` does)."""
+    return capture_graph(lambda _: run(), [None])[0]
 
 
 def replay_us(graph, reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * ROTATE)
+    """Per-call µs of one graph (``ROTATE`` calls): the median over ``reps`` timed replays."""
+    return _event_time(graph.replay, reps) / ROTATE
 
 
 def rest_problem(counts: torch.Tensor, cap: int, top_k: int, hidden: int):
