@@ -20,6 +20,7 @@ reads every hit expert's weights again; Mixtral M = 2048 1.06-1.08x the tuned ex
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -100,21 +101,21 @@ def probe(name: str, m: int, fracs, reps: int, rounds: int, sync_each: bool = Fa
             activation(mid, cfg, out=act)
             torch.bmm(act.view(e, cap, i), weights.w2, out=ys)
 
-        def rest(rests=rests, rest_plans=rest_plans):
-            for (x, w, ids), p in zip(rests, rest_plans):
-                fused_experts(x, w, ids, weights, plan=p)
-                yield
+        # one call per routing: the tuned experts on the rows past C
+        rest_calls = [functools.partial(fused_experts, x, w, ids, weights, plan=p)
+                      for (x, w, ids), p in zip(rests, rest_plans)]
 
         def bulk_only(bulk=bulk):
             for _ in range(ROTATE):
                 bulk()
 
-        def rest_only(rest=rest):
-            for _ in rest():
-                pass
+        def rest_only(rest_calls=rest_calls):
+            for call in rest_calls:
+                call()
 
-        def serial(bulk=bulk, rest=rest):
-            for _ in rest():
+        def serial(bulk=bulk, rest_calls=rest_calls):
+            for call in rest_calls:
+                call()
                 bulk()
 
         keep.append((xs, mid, act, ys, rests, rest_plans))
@@ -154,6 +155,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sync-each", action="store_true", help="synchronize after each graph's first replays")
     args = parser.parse_args(argv)
+    if args.rounds < 1 or args.reps < 1:
+        parser.error(f"--rounds and --reps must be >= 1, got {args.rounds} and {args.reps}")
+    if not all(f > 0 for f in args.caps):  # above 1 is allowed: experts under C then pad the bulk
+        parser.error(f"--caps must be > 0 (fractions of the mean rows per expert), got {args.caps}")
     if not cuda_or_say("probe_capacity"):
         return 2
     for name, m in args.points:

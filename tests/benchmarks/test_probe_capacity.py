@@ -29,3 +29,11 @@ def test_rest_rows_per_expert(counts, cap, top_k):
     assert (pad >= 0).all() and int(pad.sum()) == tokens * top_k - int(rest.sum()) < top_k
     if int(rest.max()) <= tokens:  # dealt top_k apart: a token never meets an expert twice
         assert all(len(set(row.tolist())) == top_k for row in ids)
+
+
+@pytest.mark.parametrize("argv,says", [(["--caps", "0"], "--caps"), (["--caps", "-0.5"], "--caps"),
+                                       (["--rounds", "0"], "--rounds"), (["--reps", "0"], "--reps")])
+def test_bad_arguments_are_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as exc:
+        probe_capacity.main(argv)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
