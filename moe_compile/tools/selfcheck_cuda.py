@@ -152,6 +152,7 @@ def _experts_checks(s: Setup, gen: torch.Generator) -> list[Check]:
     tma = GemmConfig(g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages, tma=1)
     plans["sorted, TMA loads"] = Plan(ExpertsPath.SORTED, tma, tma)
     plans["gemv (CUDA cores)"] = Plan(ExpertsPath.GEMV, g, g)
+    plans["decode (one kernel)"] = Plan(ExpertsPath.DECODE, g, g)
     # a second GEMM split over K, whose slices the combine sums (a tuned plan uses it)
     plans["sorted, split-K GEMM2"] = Plan(ExpertsPath.SORTED, tma, replace(tma, split_k=2))
     if _grouped_mm_ok(x, weights):

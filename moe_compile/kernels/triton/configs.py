@@ -3,7 +3,7 @@
 Tuned files live beside this module in ``configs/`` (and, searched first, in
 ``$MOE_COMPILE_CONFIG_DIR``) and are written by ``benchmarks/tune_triton.py``:
 ``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
-``{"path": "pairs"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
+``{"path": "pairs"|"decode"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
 stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used.
 
 A shape without a file of its own on this device (another model's sizes) borrows: among this
@@ -27,6 +27,10 @@ Paths:
 - ``gemv``: the same batches on CUDA cores (``gemv.py``): one kernel per GEMM, the combine fused
   into the second; ``gemm1``/``gemm2`` give ``block_n``, ``block_k`` and ``num_warps`` (slower than
   ``pairs`` on the H200, so no tuned file uses it);
+- ``decode``: the same batches in one kernel (``decode.py``): GEMM1, activation, GEMM2 and the
+  weighted combine, each program one slice of a pair's intermediate columns, the products summed
+  by fp32 atomics; ``gemm1`` gives ``block_n`` (intermediate columns per program), ``block_k``,
+  ``num_warps`` and ``num_stages``, ``gemm2`` the second product's ``block_n``;
 - ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused
   (``pre_gather``: the token rows are gathered into expert order by the alignment pass first);
 - ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on
@@ -64,8 +68,12 @@ def config_dirs() -> list[Path]:
 class ExpertsPath(enum.Enum):
     PAIRS = "pairs"
     GEMV = "gemv"
+    DECODE = "decode"
     SORTED = "sorted"
     GROUPED_MM = "grouped_mm"
+
+
+DECODE_PATHS = (ExpertsPath.PAIRS, ExpertsPath.GEMV, ExpertsPath.DECODE)  # plans for few pairs over many experts
 
 
 @dataclass(frozen=True)
@@ -209,7 +217,7 @@ def borrowed_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, d
         if name == exclude:
             continue
         for m, k, plan in entries:
-            if plan.path is ExpertsPath.GROUPED_MM or (plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV)) != decode:
+            if plan.path is ExpertsPath.GROUPED_MM or (plan.path in DECODE_PATHS) != decode:
                 continue
             dist = (abs(math.log2(m * k / experts) - target), abs(math.log2(file_hidden / max(hidden, 1))), name, m)
             if best is None or dist < best[0]:
@@ -284,7 +292,7 @@ def _plan_and_source(num_tokens: int, top_k: int, num_local: int, hidden: int, i
         return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, keys,
                              f"{name} has no entry within {2 ** FAR_OCTAVES}x of {num_tokens} tokens (nor of other "
                              "batch sizes this far from its entries; said once)", f"far {name}")
-    if plan.path in (ExpertsPath.PAIRS, ExpertsPath.GEMV) and not pairs_eligible(num_tokens * top_k, num_local):
+    if plan.path in DECODE_PATHS and not pairs_eligible(num_tokens * top_k, num_local):
         # a tuned decode entry does not carry over to a batch whose pairs share experts
         why = f"{name} M={best} is a decode plan and {num_tokens} tokens' pairs share experts"
         _say_once(f"moe_compile: {why}; using the default heuristic (said once per file)", f"decode {name}")
