@@ -59,7 +59,7 @@ def _decode_kernel(x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, ids_ptr, map_ptr, tw
                    TOP_K: tl.constexpr, HAS_MAP: tl.constexpr, HAS_B13: tl.constexpr, HAS_B2: tl.constexpr,
                    GATED: tl.constexpr, ACT: tl.constexpr, WEIGHTED: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, FINAL_N: tl.constexpr,
-                   TMA: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr = False):
+                   TMA: tl.constexpr, FENCE: tl.constexpr, FINISH: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
     pid = tl.program_id(0)
     pair = pid // NUM_SLICES
@@ -137,19 +137,33 @@ def _decode_kernel(x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, ids_ptr, map_ptr, tw
             tl.atomic_add(acc_row + n0 + nn, y0 * scale, mask=nmask, sem="relaxed")
             w2_ptrs += BLOCK_N * stride_2n
         _fence(nn, FENCE)
-    # every program of token t takes a ticket once its atomics are performed; the last one finishes the row
-    tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
-    if ticket == TOP_K * NUM_SLICES - 1:
-        _fence(nn, FENCE)
-        fn = tl.arange(0, FINAL_N)
-        acc_row = acc_ptr + t.to(tl.int64) * H
-        for n0 in range(0, H, FINAL_N):
-            nmask = (n0 + fn) < H
-            v = tl.load(acc_row + n0 + fn, mask=nmask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + t.to(tl.int64) * stride_ot + n0 + fn, v.to(out_ptr.dtype.element_ty), mask=nmask)
-            tl.store(acc_row + n0 + fn, tl.zeros([FINAL_N], dtype=tl.float32), mask=nmask)
-        tl.store(ticket_ptr + t, 0)
+    if FINISH:  # every program of token t takes a ticket once its atomics are performed; the last finishes the row
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + t, 1, sem="acq_rel")
+        if ticket == TOP_K * NUM_SLICES - 1:
+            _fence(nn, FENCE)
+            _finish_row(acc_ptr, out_ptr, t, H, stride_ot, FINAL_N)
+            tl.atomic_xchg(ticket_ptr + t, 0)
+
+
+@triton.jit
+def _finish_row(acc_ptr, out_ptr, t, H, stride_ot, FINAL_N: tl.constexpr):
+    """Token ``t``'s fp32 row -> ``out`` in its dtype, and the row back to zero: read and zeroed by
+    atomic exchanges, at L2, so no stale L1 line of an earlier call can be read."""
+    fn = tl.arange(0, FINAL_N)
+    acc_row = acc_ptr.to(tl.pointer_type(tl.int32)) + t.to(tl.int64) * H  # the fp32 bits (exchanged as int32)
+    for n0 in range(0, H, FINAL_N):
+        nmask = (n0 + fn) < H
+        v = tl.atomic_xchg(acc_row + n0 + fn, tl.zeros([FINAL_N], dtype=tl.int32), mask=nmask).to(tl.float32,
+                                                                                                 bitcast=True)
+        tl.store(out_ptr + t.to(tl.int64) * stride_ot + n0 + fn, v.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _finish_kernel(acc_ptr, out_ptr, H, stride_ot, FINAL_N: tl.constexpr, PDL: tl.constexpr = False):
+    """``finish="launch"``: one program per token after the decode kernel."""
+    pdl_enter(PDL)
+    _finish_row(acc_ptr, out_ptr, tl.program_id(0), H, stride_ot, FINAL_N)
 
 
 def _descriptors(w13: torch.Tensor, w2: torch.Tensor, block_i: int, block_k: int, block_n: int, *,
@@ -216,14 +230,15 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                    expert_map: torch.Tensor | None = None, weighted: bool = True, block_i: int = 32,
                    block_k: int = 128, block_n: int = 128, num_warps: int = 4, num_stages: int = 3,
-                   tma: bool = False) -> torch.Tensor:
+                   tma: bool = False, finish: str = "ticket") -> torch.Tensor:
     """``x [T, H]``, contiguous fp32 ``topk_weights [T, k]`` and int32 ``topk_ids [T, k]``, weights
     ``w13 [E, H, N13]`` / ``w2 [E, I, H]`` (any strides) -> ``out [T, H]`` (see the module doc).
 
     ``block_i``: intermediate columns per program (>= 16, a power of two); ``block_k``: the first
     product's K step; ``block_n``: the second product's output columns per step; ``tma``: both
     weights by TMA descriptors where their storage allows (HF's layout, blocks tiling the halves),
-    pointer loads otherwise."""
+    pointer loads otherwise; ``finish``: ``"ticket"`` (the last program of a token writes its row)
+    or ``"launch"`` (a second, one-program-per-token kernel does)."""
     num_tokens, top_k = topk_ids.shape
     num_local, hidden, _ = w13.shape
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous() or topk_ids.dtype != torch.int32 \
@@ -236,6 +251,8 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     for name, v in (("block_i", block_i), ("block_k", block_k), ("block_n", block_n)):
         if not isinstance(v, int) or v < 16 or v & (v - 1):
             raise ValueError(f"decode_experts: {name}={v!r} must be a power of two >= 16.")
+    if finish not in ("ticket", "launch"):
+        raise ValueError(f"decode_experts: finish={finish!r} must be 'ticket' or 'launch'.")
     ok, reason = decode_supported(x, w13, w2, config)
     if not ok:
         raise ValueError(f"decode_experts: {reason}.")
@@ -261,7 +278,11 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         TOP_K=top_k, HAS_MAP=expert_map is not None, HAS_B13=w13_bias is not None, HAS_B2=w2_bias is not None,
         GATED=gated, ACT=act_code(config), WEIGHTED=weighted, IEEE=x.dtype == torch.float32,
         BLOCK_I=block_i, BLOCK_K=block_k, BLOCK_N=block_n, FINAL_N=final_n, TMA=descs is not None,
-        FENCE=not interpreting(), num_warps=num_warps, num_stages=num_stages, **pdl_launch(x.device))
+        FENCE=not interpreting(), FINISH=finish == "ticket", num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x.device))
+    if finish == "launch":
+        _finish_kernel[(num_tokens,)](acc, out, hidden, out.stride(0), FINAL_N=final_n, num_warps=4,
+                                      **pdl_launch(x.device))
     return out
 
 
