@@ -30,7 +30,8 @@ Paths:
 - ``decode``: the same batches in one kernel (``decode.py``): GEMM1, activation, GEMM2 and the
   weighted combine, each program one slice of a pair's intermediate columns, the products summed
   by fp32 atomics; ``gemm1`` gives ``block_n`` (intermediate columns per program), ``block_k``,
-  ``num_warps`` and ``num_stages``, ``gemm2`` the second product's ``block_n``;
+  ``num_warps``, ``num_stages`` and ``tma``, ``gemm2`` the second product's ``block_n`` (slower
+  than or level with ``pairs`` on the H200, so no tuned file uses it);
 - ``sorted``: pairs grouped by expert (``align.py``), both GEMMs in Triton, activation fused
   (``pre_gather``: the token rows are gathered into expert order by the alignment pass first);
 - ``grouped_mm``: pairs grouped and gathered, ``torch._grouped_mm`` for both GEMMs (CUTLASS on

@@ -23,6 +23,19 @@ experts are taken in the order the atomics land, so two runs can round a value t
 dtype differently (one unit in its last place, rarely). Experts not on this rank (``expert_map``
 -> -1) read nothing, but their programs still take a ticket.
 
+``finish="launch"`` leaves the rows to a second kernel (one program per token) instead of the
+tickets.
+
+Status (fifteenth session, H200, ``benchmarks/probe_decode.py``, experts alone in CUDA graphs,
+each point's best of 21 block choices, then 4 rounds side by side): slower than or level with the
+tuned ``pairs`` plan, so no tuned file uses it. Qwen3 M = 1: 34.9 vs 26.2 µs (1.33x); Qwen3 M = 4:
+76.4 vs 76.1 µs (1.004x). The first two runs, before the fences and the exchanged reads, timed
+25.3-26.2 µs at Qwen3 M = 1, but their rows were written before every slice's atomics had landed
+(up to 0.4 relative error at DeepSeek-V3 M = 1 and Qwen3 M = 4): that speed was the race's. With
+the ordering right, each program's end waits for its atomics, and the token's last program then
+adds a ticket and a row exchange to the critical path. Mixtral and DeepSeek-V3 M = 1 were 1-3 %
+slower than ``pairs`` even in the racy runs, so they were not timed again.
+
 ``decode_experts_reference`` is the plain-torch meaning (the same rounding of ``h``).
 """
 from __future__ import annotations
