@@ -26,13 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
-from probe_gemv import hf_weights, routings  # noqa: E402
+from bench_moe_layer import SHAPES, cuda_or_say, point, write_json  # noqa: E402
+from probe_gemv import point_timer  # noqa: E402
 
 from moe_compile.kernels.triton.configs import CONFIG_DIR, ExpertsPath, Plan, config_file_name, device_key  # noqa: E402
-from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
-from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 BLOCK_I = (16, 32, 64)
 BLOCK_K = (128, 256)
@@ -52,19 +50,7 @@ def key(plan: Plan) -> str:
 
 
 def run_point(name: str, m: int, reps: int, rounds: int) -> dict:
-    shape = SHAPES[name]
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    weights = hf_weights(shape, gen)
-    calls = routings(shape, m, gen)
-    experts = ExpertsConfig()
-    tuned = plan_for(calls[0][0], shape.top_k, weights)
-    ref = fused_experts(*calls[0], weights, experts, plan=tuned).float()
-
-    def time(plan: Plan) -> tuple[float, float]:
-        err = ((fused_experts(*calls[0], weights, experts, plan=plan).float() - ref).norm() / ref.norm()).item()
-        us = graph_time_us(lambda c: fused_experts(*c, weights, experts, plan=plan), calls, reps)
-        return us, err
-
+    tuned, time = point_timer(name, m, reps)
     sweep = {}
 
     def best_of(plans):
@@ -91,8 +77,6 @@ def run_point(name: str, m: int, reps: int, rounds: int) -> dict:
           f"{statistics.median(b):8.1f} us  ratio {statistics.median(b) / statistics.median(a):.3f}  "
           f"(rounds {' '.join(f'{y / x:.3f}' for x, y in zip(a, b))})  max err {worst_err:.1e}", flush=True)
     print("   sweep: " + "  ".join(f"{k} {v[0]:.1f}" for k, v in sweep.items()), flush=True)
-    del weights
-    torch.cuda.empty_cache()
     return row
 
 
@@ -129,6 +113,7 @@ def main(argv=None) -> int:
     rows = []
     for name, m in args.points:
         rows.append(run_point(name, m, args.reps, args.rounds))
+        torch.cuda.empty_cache()  # the point's weights went with its timer
         write_json(args.out, "decode.json", {"device": torch.cuda.get_device_name(), "rows": rows})
     if args.apply:
         apply(rows)

@@ -64,6 +64,21 @@ def _fence(x, FENCE: tl.constexpr):
 
 
 @triton.jit
+def _w13_dot(a, acc, w13_desc, ptrs, row, k0, mask, TMA: tl.constexpr, IEEE: tl.constexpr):
+    """``acc + a @`` one ``[BLOCK_K, BLOCK_I]`` tile of W13: the TMA box at ``(row, k0)`` of the
+    ``[E * N13, H]`` rows, or pointer loads at ``ptrs``."""
+    if TMA:
+        w = w13_desc.load([row, k0]).T
+    else:
+        w = tl.load(ptrs, mask=mask, other=0.0)
+    if IEEE:
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
 def _decode_kernel(x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, ids_ptr, map_ptr, tw_ptr, acc_ptr, ticket_ptr, out_ptr,
                    w13_desc, w2_desc, H, I, E_local, NUM_SLICES, N13,
                    stride_xt, stride_1e, stride_1k, stride_1n, stride_1be, stride_1bn,
@@ -100,23 +115,9 @@ def _decode_kernel(x_ptr, w13_ptr, b13_ptr, w2_ptr, b2_ptr, ids_ptr, map_ptr, tw
             xk = tl.load(x_row + k0 + kk, mask=kmask, other=0.0)
             a = tl.broadcast_to(xk[None, :], (16, BLOCK_K))
             m = kmask[:, None] & imask[None, :]
-            if TMA:
-                wg = w13_desc.load([g_row, k0]).T
-            else:
-                wg = tl.load(g_ptrs, mask=m, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, wg, acc_g)
+            acc_g = _w13_dot(a, acc_g, w13_desc, g_ptrs, g_row, k0, m, TMA, IEEE)
             if GATED:
-                if TMA:
-                    wu = w13_desc.load([g_row + up_off, k0]).T
-                else:
-                    wu = tl.load(u_ptrs, mask=m, other=0.0)
-                if IEEE:
-                    acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
-                else:
-                    acc_u = tl.dot(a, wu, acc_u)
+                acc_u = _w13_dot(a, acc_u, w13_desc, u_ptrs, g_row + up_off, k0, m, TMA, IEEE)
             g_ptrs += BLOCK_K * stride_1k
             u_ptrs += BLOCK_K * stride_1k
         if HAS_B13:
