@@ -1,4 +1,4 @@
-"""Tune the CUDA experts per shape: path (pairs / sorted / grouped_mm) and Triton block sizes.
+"""Tune the CUDA experts per shape: path (pairs / decode / sorted / grouped_mm) and Triton block sizes.
 
     python benchmarks/tune_triton.py [--shapes mixtral qwen3 deepseek_v3] [--ms 1 32 256 2048 8192]
         [--out moe_compile/kernels/triton/configs] [--budget-s 400]
@@ -7,7 +7,8 @@
 For each shape and token count M it times the whole ``fused_experts`` call (CUDA graph over
 ``ROTATE`` different routings, so weights come from HBM) for: the sorted path with each candidate
 GEMM1 config (GEMM2 at its default), then each GEMM2 candidate with the best GEMM1; the pairs path
-(where eligible) likewise; and the ``torch._grouped_mm`` path. The fastest plan per M goes to
+(where eligible) likewise, and then a few plans of the one-kernel ``decode`` path; and the
+``torch._grouped_mm`` path. The fastest plan per M goes to
 ``E{E}_H{H}_I{I}_bf16_{device}.json`` (read by ``kernels/triton/configs.py``; with ``_top_k``, so
 shapes without a file of their own can borrow its plans);
 every timing goes to ``tune_log.json`` beside it under ``--log``.
@@ -53,6 +54,9 @@ LARGE2 = [G(128, 256, 64, 8, 8, 3), G(128, 256, 64, 8, 8, 4), G(128, 256, 64, 16
           G(128, 128, 64, 8, 4, 4), G(128, 256, 64, ALL_M, 8, 3)]
 
 
+# the one-kernel decode path (kernels/triton/decode.py): (intermediate columns per program, K step,
+# output columns per step, warps, stages, TMA), probe_decode.py's best on the H200 at Qwen3 M = 1 / 4
+DECODE = [(32, 256, 256, 8, 3, 0), (32, 256, 256, 4, 3, 0), (64, 128, 256, 8, 3, 1), (64, 256, 256, 4, 4, 0)]
 GROUPS = (1, 2, 4, 8, 16, ALL_M)
 MID_EXTRA = [G(64, 128, 64, ALL_M, 8, 4), G(128, 128, 64, ALL_M, 8, 4)]
 LARGE_EXTRA = [G(64, 128, 64, ALL_M, 4, 4), G(128, 128, 64, ALL_M, 8, 4), G(64, 256, 64, 8, 8, 3)]
@@ -61,6 +65,11 @@ LARGE_EXTRA = [G(64, 128, 64, ALL_M, 4, 4), G(128, 128, 64, ALL_M, 8, 4), G(64, 
 def with_tma(configs: list[GemmConfig]) -> list[GemmConfig]:
     """Each config, then its TMA twin (weights by descriptor; see kernels/triton/gemm.py)."""
     return [c for g in configs for c in (g, replace(g, tma=1))]
+
+
+def decode_candidates() -> list[Plan]:
+    """The ``decode`` path's plans worth timing for a decode batch (see ``DECODE``)."""
+    return [Plan(ExpertsPath.DECODE, G(16, i, k, 1, w, s, tma), G(16, n, i, 1)) for i, k, n, w, s, tma in DECODE]
 
 
 def candidates(per_expert: float, gemm: int, tma: bool = True) -> list[GemmConfig]:
@@ -157,6 +166,12 @@ def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: lis
                         "gemm2": asdict(g2), "us": us})
             if us < best[0]:
                 best = (us, replace(plan, gemm2=g2))
+    if pairs_eligible(pairs, shape.num_experts):  # the one-kernel decode path
+        for plan in decode_candidates():
+            us = time_plan(plan, calls, weights, reps, ref)
+            log.append(dict(plan.to_dict(), shape=shape.name, M=m, us=us))
+            if us < best[0]:
+                best = (us, plan)
     grouped = Plan(ExpertsPath.GROUPED_MM, best[1].gemm1, best[1].gemm2)
     us = time_plan(grouped, calls, weights, reps, ref)
     log.append({"shape": shape.name, "M": m, "path": "grouped_mm", "us": us})
@@ -170,7 +185,12 @@ def tune_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: lis
 def refine_variants(plan: Plan, per_expert: float) -> list[Plan]:
     """Plans near a tuned one: the persistent launch (plain and with a flattened tile loop), the
     pre-gathered first GEMM, TMA twins, and a few neighbouring tiles; the pairs path gets its
-    small-tile TMA twins."""
+    small-tile TMA twins; the decode path its other block choices (GEMM1's first, then the second
+    product's output columns)."""
+    if plan.path is ExpertsPath.DECODE:
+        firsts = [replace(plan, gemm1=c.gemm1) for c in decode_candidates()]
+        return list(dict.fromkeys([plan] + firsts + [replace(plan, gemm2=replace(plan.gemm2, block_n=n))
+                                                      for n in (64, 128, 256) if n != plan.gemm2.block_n]))
     if plan.path is ExpertsPath.PAIRS:
         return [replace(plan, gemm1=g) for g in with_tma(SMALL)] + [replace(plan, gemm2=g) for g in with_tma(SMALL)]
     g1, g2 = plan.gemm1, plan.gemm2
@@ -246,12 +266,18 @@ def refine_point(shape: Shape, m: int, weights: ExpertWeights, reps: int, log: l
     ref = reference_output(calls, weights, shape, m)
     per_expert = m * shape.top_k / shape.num_experts
     timed = {current: time_plan(current, calls, weights, reps, ref)}
+    if current.path is ExpertsPath.PAIRS:  # a decode batch: the one-kernel path's plans too
+        for plan in decode_candidates():
+            timed[plan] = time_plan(plan, calls, weights, reps, ref)
     variants = refine_variants(current, per_expert)
     first = [v for v in variants if v.gemm2 == variants[0].gemm2]
     for plan in first:
         if plan not in timed:
             timed[plan] = time_plan(plan, calls, weights, reps, ref)
-    best1 = min((p for p in timed if p.path is not ExpertsPath.GROUPED_MM), key=timed.get)
+    # GEMM1 of the current plan's kind (a decode plan's blocks mean other things than a GEMM's)
+    kind = current.path is ExpertsPath.DECODE
+    best1 = min((p for p in timed if p.path is not ExpertsPath.GROUPED_MM and (p.path is ExpertsPath.DECODE) == kind),
+                key=timed.get)
     for plan in variants:
         if plan.gemm2 != variants[0].gemm2:
             plan = replace(plan, gemm1=best1.gemm1, pre_gather=best1.pre_gather, path=best1.path)

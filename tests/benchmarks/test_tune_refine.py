@@ -85,3 +85,37 @@ def test_custom_shapes_parse_and_reject_bad_sizes():
     for bad in ("128,8,4096", "a,8,4096,1536", "8,16,4096,1536", "0,1,4096,1536"):
         with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
             tt.custom_shape(bad)
+
+
+def test_decode_batches_time_the_decode_path(monkeypatch):
+    """A decode batch: ``tune_point`` times the decode plans after the pairs path and keeps one
+    when it is fastest; ``refine_point`` from a pairs plan times them too, and from a decode plan
+    varies its blocks (GEMM1's, then the second product's columns), never mixing it with a GEMM's."""
+    fast = tt.decode_candidates()[2]
+    times = {fast: 5.0}
+    monkeypatch.setattr(tt, "problem", lambda *args: None)
+    monkeypatch.setattr(tt, "reference_output", lambda *args: None)
+    monkeypatch.setattr(tt, "time_plan", _timer(times))
+    log = []
+    us, best = tt.tune_point(tt.SHAPES["qwen3"], 1, None, 1, log)
+    assert (us, best) == (5.0, fast)
+    assert {p.path for p in times} >= {ExpertsPath.PAIRS, ExpertsPath.SORTED, ExpertsPath.DECODE}
+    pairs = Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4))
+    times.clear()
+    times[fast] = 5.0
+    us, best = tt.refine_point(tt.SHAPES["qwen3"], 1, None, 1, [], pairs, session=15)
+    assert best == fast
+    assert all(p.path is ExpertsPath.PAIRS for p in times if p.path is not ExpertsPath.DECODE)
+    times.clear()
+    variants = tt.refine_variants(fast, 0.06)
+    assert all(v.path is ExpertsPath.DECODE for v in variants) and len(variants) == len(set(variants))
+    assert {v.gemm2.block_n for v in variants} == {64, 128, 256}
+    better = variants[-1]
+    times[better] = 1.0
+    us, best = tt.refine_point(tt.SHAPES["qwen3"], 1, None, 1, [], fast, session=15)
+    assert all(p.path is ExpertsPath.DECODE for p in times)
+    assert best.path is ExpertsPath.DECODE and times[best] == us
+    # no decode plans for a batch whose pairs share experts
+    times.clear()
+    tt.tune_point(tt.SHAPES["qwen3"], 256, None, 1, [])
+    assert not any(p.path is ExpertsPath.DECODE for p in times)
