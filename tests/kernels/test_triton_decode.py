@@ -7,6 +7,8 @@ against the fp32 reference, and 1e-2 against the tuned GEMM plan and against
 """
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -108,6 +110,30 @@ def test_decode_tma_loads_match_pointer_loads(bias):
     assert _descriptors(weights.w13, weights.w2, 16, 16, 16, interleaved=True, inter=32) is None
     eh = _weights(4, 64, 32, Activation.SILU, hf_layout=False, bias=False, gen=gen)
     assert _descriptors(eh.w13, eh.w2, 16, 16, 16, interleaved=False, inter=32) is None
+
+
+@settings(max_examples=15, deadline=None)
+@given(tokens=st.integers(1, 4), experts=st.integers(2, 6), top_k=st.integers(1, 3), hidden=st.integers(16, 48),
+       inter=st.integers(16, 40), block_i=st.sampled_from([16, 32]), block_n=st.sampled_from([16, 32]),
+       bias=st.booleans(), hf_layout=st.booleans(), mapped=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_decode_matches_the_reference_on_random_problems(tokens, experts, top_k, hidden, inter, block_i, block_n,
+                                                        bias, hf_layout, mapped, seed):
+    """Any sizes (H and I off the blocks), layouts, biases and expert maps: the plain-torch
+    result, and a clean workspace afterwards."""
+    top_k = min(top_k, experts)
+    gen = torch.Generator().manual_seed(seed)
+    local = max(1, experts - 1) if mapped else experts
+    weights = _weights(local, hidden, inter, Activation.SILU, hf_layout=hf_layout, bias=bias, gen=gen)
+    emap = None
+    if mapped:  # the last global expert lives on another rank
+        emap = torch.tensor(list(range(local)) + [-1] * (experts - local), dtype=torch.int32, device=DEV)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    topk_w, topk_ids = _routing(tokens, experts, top_k, gen)
+    out = decode_experts(x, topk_w, topk_ids, weights.w13, weights.w2, ExpertsConfig(), torch.empty_like(x),
+                         w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, expert_map=emap, block_i=block_i,
+                         block_k=16, block_n=block_n, num_stages=1)
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig(), emap, experts))
+    assert _clean(x, hidden)
 
 
 def test_decode_unweighted_sum_and_reference():
