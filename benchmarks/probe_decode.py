@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -26,10 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import SHAPES, cuda_or_say, point, write_json  # noqa: E402
-from probe_gemv import point_timer  # noqa: E402
+from bench_moe_layer import cuda_or_say, point, write_json  # noqa: E402
+from probe_gemv import point_timer, write_entry  # noqa: E402
 
-from moe_compile.kernels.triton.configs import CONFIG_DIR, ExpertsPath, Plan, config_file_name, device_key  # noqa: E402
+from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
 
 BLOCK_I = (16, 32, 64)
@@ -85,16 +84,10 @@ def apply(rows: list[dict]) -> None:
         if not row["faster_every_round"] or row["max_err_vs_tuned"] > 1e-2:
             print(f"kept: {row['shape']} M={row['M']} (decode not faster in every round, or off by more than 1e-2)")
             continue
-        shape = SHAPES[row["shape"]]
-        path = CONFIG_DIR / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
-                                             device_key(torch.device("cuda")))
-        table = json.loads(path.read_text())
         entry = dict(row["best_plan"], us=round(statistics.median(row["decode_us_ab"]), 1),
                      _from=f"benchmarks/probe_decode.py (experts alone, CUDA graph; {row['tuned_plan']['path']} "
                            f"path {statistics.median(row['tuned_us_ab']):.1f} us in the same run)")
-        table[str(row["M"])] = entry
-        path.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"applied: {path.name} M={row['M']} -> decode")
+        write_entry(row["shape"], row["M"], entry, "decode")
 
 
 def main(argv=None) -> int:

@@ -111,16 +111,22 @@ def apply(rows: list[dict]) -> None:
     for row in rows:
         if min(row["gemv_us_ab"]) >= min(row["tuned_us_ab"]):
             continue
-        shape = SHAPES[row["shape"]]
-        path = CONFIG_DIR / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
-                                             device_key(torch.device("cuda")))
-        table = json.loads(path.read_text())
         entry = dict(row["best_plan"], us=round(min(row["gemv_us_ab"]), 1),
                      _from="benchmarks/probe_gemv.py (experts alone, CUDA graph; pairs path "
                            f"{min(row['tuned_us_ab']):.1f} us in the same run)")
-        table[str(row["M"])] = entry
-        path.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"applied: {path.name} M={row['M']} -> gemv")
+        write_entry(row["shape"], row["M"], entry, "gemv")
+
+
+def write_entry(name: str, m: int, entry: dict, label: str) -> None:
+    """``entry`` (a plan's dict with ``us`` and ``_from``) at ``M`` in shape ``name``'s tuned file
+    for this GPU (the file must exist: the probes change tuned shapes only)."""
+    shape = SHAPES[name]
+    path = CONFIG_DIR / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
+                                         device_key(torch.device("cuda")))
+    table = json.loads(path.read_text())
+    table[str(m)] = entry
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"applied: {path.name} M={m} -> {label}")
 
 
 def main(argv=None) -> int:

@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import probe_decode  # noqa: E402
+import probe_gemv  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
 
@@ -28,9 +29,9 @@ def test_apply_writes_only_decode_plans_that_won_every_round(tmp_path, monkeypat
     tuned = {"path": "pairs", "gemm1": {"block_m": 16, "block_n": 64, "block_k": 256},
              "gemm2": {"block_m": 16, "block_n": 64, "block_k": 128}}
     (tmp_path / name).write_text(json.dumps({"1": tuned, "4": tuned, "8": tuned}))
-    monkeypatch.setattr(probe_decode, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(probe_gemv, "CONFIG_DIR", tmp_path)  # probe_gemv.write_entry writes for both probes
     monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(probe_decode, "device_key", lambda device: "NVIDIA_H200")
+    monkeypatch.setattr(probe_gemv, "device_key", lambda device: "NVIDIA_H200")
     rows = [_row(1, [26.0, 26.2, 26.1], [25.0, 25.5, 25.1]),   # faster in every round: written
             _row(4, [76.0, 76.5, 76.1], [75.0, 77.0, 75.1]),   # slower in one round: kept
             _row(8, [90.0, 90.0, 90.0], [80.0, 80.0, 80.0], err=0.2)]  # off: kept
