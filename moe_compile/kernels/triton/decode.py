@@ -52,6 +52,7 @@ from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import apply_activation, intermediate_size
 from moe_compile.ops.config import ExpertsConfig
 
+
 @triton.jit
 def _fence(x, FENCE: tl.constexpr):
     """Every thread: its global atomics so far are performed GPU-wide before what follows (PTX
