@@ -28,19 +28,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_moe_layer import cuda_or_say, point, write_json  # noqa: E402
 from probe_gemv import point_timer, write_entry  # noqa: E402
 
-from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
-from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
+from moe_compile.kernels.triton.configs import Plan, decode_plan  # noqa: E402
 
 BLOCK_I = (16, 32, 64)
 BLOCK_K = (128, 256)
 BLOCK_N = (64, 128, 256)
 STAGES = (2, 3, 4)
-
-
-def decode_plan(block_i: int, block_k: int, block_n: int, warps: int = 4, stages: int = 3, tma: int = 0) -> Plan:
-    g1 = GemmConfig(block_m=16, block_n=block_i, block_k=block_k, group_m=1, num_warps=warps, num_stages=stages,
-                    tma=tma)
-    return Plan(ExpertsPath.DECODE, g1, GemmConfig(block_m=16, block_n=block_n, block_k=block_i, group_m=1))
 
 
 def key(plan: Plan) -> str:

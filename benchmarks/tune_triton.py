@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from bench_moe_layer import MS, ROTATE, SHAPES, Shape, cuda_or_say, graph_time_us  # noqa: E402
 
 from moe_compile.kernels.triton.configs import (  # noqa: E402
-    ExpertsPath, Plan, config_dirs, config_file_name, default_plan, device_key, pairs_eligible, parse_shape,
+    ExpertsPath, Plan, config_dirs, config_file_name, decode_plan, default_plan, device_key, pairs_eligible,
+    parse_shape,
 )
 from moe_compile.kernels.triton.experts import fused_experts  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
@@ -69,7 +70,7 @@ def with_tma(configs: list[GemmConfig]) -> list[GemmConfig]:
 
 def decode_candidates() -> list[Plan]:
     """The ``decode`` path's plans worth timing for a decode batch (see ``DECODE``)."""
-    return [Plan(ExpertsPath.DECODE, G(16, i, k, 1, w, s, tma), G(16, n, i, 1)) for i, k, n, w, s, tma in DECODE]
+    return [decode_plan(*choice) for choice in DECODE]
 
 
 def candidates(per_expert: float, gemm: int, tma: bool = True) -> list[GemmConfig]:

@@ -18,7 +18,7 @@ from moe_compile.kernels.triton import configs  # noqa: E402
 
 
 def _row(m, tuned_us, decode_us, err=3e-3):
-    best = probe_decode.decode_plan(32, 256, 256, 8, 3, 1).to_dict()
+    best = configs.decode_plan(32, 256, 256, 8, 3, 1).to_dict()
     return dict(shape="qwen3", M=m, best_plan=best, tuned_plan={"path": "pairs"}, tuned_us_ab=tuned_us,
                 decode_us_ab=decode_us, max_err_vs_tuned=err,
                 faster_every_round=all(b < a for a, b in zip(tuned_us, decode_us)))

@@ -158,6 +158,8 @@ def test_bad_inputs_raise_naming_them():
         decode_experts(x, topk_w.double(), topk_ids, *args, torch.empty_like(x))
     with pytest.raises(ValueError, match="out must be"):
         decode_experts(x, topk_w, topk_ids, *args, torch.empty(2, 33, device=DEV, dtype=DTYPE))
+    with pytest.raises(TypeError, match="x.dtype=torch.float64 must be one of bf16/fp16/fp32"):
+        decode_experts(x.double(), topk_w, topk_ids, *args, torch.empty_like(x, dtype=torch.float64))
     with pytest.raises(ValueError, match="finish='later' must be 'ticket' or 'launch'"):
         decode_experts(x, topk_w, topk_ids, *args, torch.empty_like(x), finish="later")
     with pytest.raises(ValueError, match="block_i=24 must be a power of two >= 16"):

@@ -137,6 +137,15 @@ def pairs_eligible(num_pairs: int, num_local: int) -> bool:
     return num_pairs * 4 <= num_local or num_pairs <= 2
 
 
+def decode_plan(block_i: int, block_k: int, block_n: int, warps: int = 4, stages: int = 3, tma: int = 0) -> Plan:
+    """A ``decode``-path plan: ``block_i`` intermediate columns per program and ``block_k`` its
+    K step (``gemm1.block_n`` / ``block_k``), ``block_n`` output columns per step of the second
+    product (``gemm2.block_n``); warps, stages and TMA loads are the one kernel's (``gemm1``'s)."""
+    g1 = GemmConfig(block_m=16, block_n=block_i, block_k=block_k, group_m=1, num_warps=warps, num_stages=stages,
+                    tma=tma)
+    return Plan(ExpertsPath.DECODE, g1, GemmConfig(block_m=16, block_n=block_n, block_k=block_i, group_m=1))
+
+
 def default_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int) -> Plan:
     pairs = num_tokens * top_k
     if pairs_eligible(pairs, num_local):

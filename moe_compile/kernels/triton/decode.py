@@ -208,10 +208,12 @@ _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 _LOCK = threading.Lock()
 
 
-def _stream_key(device: torch.device) -> int:
+def _device_stream(device: torch.device) -> tuple[str, int, int]:
+    """``(type, index, stream)``: ``cuda`` and ``cuda:0`` (the current device) are one key."""
     if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream
+        return device.type, device.index or 0, 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return device.type, index, torch.cuda.current_stream(index).cuda_stream
 
 
 def workspace(device: torch.device, num_tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +222,7 @@ def workspace(device: torch.device, num_tokens: int, hidden: int) -> tuple[torch
     One per (device, stream, H, power-of-two row bucket), allocated once and never freed: a CUDA
     graph that captured a launch keeps pointing at it."""
     cap = max(16, next_pow2(num_tokens))
-    key = (str(device), _stream_key(device), hidden, cap)
+    key = (*_device_stream(device), hidden, cap)
     with _LOCK:
         ws = _WORKSPACES.get(key)
         if ws is None:
@@ -228,16 +230,6 @@ def workspace(device: torch.device, num_tokens: int, hidden: int) -> tuple[torch
                   torch.zeros(cap, dtype=torch.int32, device=device))
             _WORKSPACES[key] = ws
     return ws
-
-
-def decode_supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, config: ExpertsConfig) -> tuple[bool, str]:
-    """Whether the one-kernel decode path takes these tensors: ``(False, reason)`` otherwise."""
-    inter = w2.shape[1]
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return False, f"dtype {x.dtype} is not one of bf16/fp16/fp32"
-    if intermediate_size(w13.shape[2], config.activation) != inter:
-        return False, f"w13 has {w13.shape[2]} columns but w2 has {inter} rows (activation {config.activation.value})"
-    return True, ""
 
 
 def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -268,10 +260,12 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
             raise ValueError(f"decode_experts: {name}={v!r} must be a power of two >= 16.")
     if finish not in ("ticket", "launch"):
         raise ValueError(f"decode_experts: finish={finish!r} must be 'ticket' or 'launch'.")
-    ok, reason = decode_supported(x, w13, w2, config)
-    if not ok:
-        raise ValueError(f"decode_experts: {reason}.")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"decode_experts: x.dtype={x.dtype} must be one of bf16/fp16/fp32.")
     inter = w2.shape[1]
+    if intermediate_size(w13.shape[2], config.activation) != inter:
+        raise ValueError(f"decode_experts: w13 has {w13.shape[2]} columns but w2 has {inter} rows (activation "
+                         f"{config.activation.value}).")
     if num_tokens == 0:
         return out
     gated = config.activation.is_gated
@@ -325,4 +319,4 @@ def decode_experts_reference(x: torch.Tensor, topk_weights: torch.Tensor, topk_i
     return out
 
 
-__all__ = ["decode_experts", "decode_experts_reference", "decode_supported", "workspace"]
+__all__ = ["decode_experts", "decode_experts_reference", "workspace"]

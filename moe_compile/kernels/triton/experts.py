@@ -30,7 +30,7 @@ from moe_compile.kernels.triton.align import align
 from moe_compile.kernels.triton.activation import activation
 from moe_compile.kernels.triton.combine import combine
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan, choose_plan, default_plan
-from moe_compile.kernels.triton.decode import decode_experts, decode_supported
+from moe_compile.kernels.triton.decode import decode_experts
 from moe_compile.kernels.triton.gemm import moe_gemm
 from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
@@ -117,16 +117,12 @@ def fused_experts(
         # the GEMM paths read such weights through their strides
         log.debug("moe_compile: the gemv plan runs the default GEMM plan instead: %s", reason)
         plan = default_plan(num_tokens, top_k, num_local, hidden, inter)
-    if plan.path is ExpertsPath.DECODE:
-        ok, reason = decode_supported(x, weights.w13, weights.w2, config)
-        if ok:
-            g1 = plan.gemm1
-            return decode_experts(x, w_tk, ids, weights.w13, weights.w2, config, out, w13_bias=weights.w13_bias,
-                                  w2_bias=weights.w2_bias, expert_map=expert_map, weighted=weighted,
-                                  block_i=g1.block_n, block_k=g1.block_k, block_n=plan.gemm2.block_n,
-                                  num_warps=g1.num_warps, num_stages=g1.num_stages, tma=bool(g1.tma))
-        log.debug("moe_compile: the decode plan runs the default GEMM plan instead: %s", reason)
-        plan = default_plan(num_tokens, top_k, num_local, hidden, inter)
+    if plan.path is ExpertsPath.DECODE:  # any weight strides; the block fields as configs.decode_plan sets them
+        g1 = plan.gemm1
+        return decode_experts(x, w_tk, ids, weights.w13, weights.w2, config, out, w13_bias=weights.w13_bias,
+                              w2_bias=weights.w2_bias, expert_map=expert_map, weighted=weighted,
+                              block_i=g1.block_n, block_k=g1.block_k, block_n=plan.gemm2.block_n,
+                              num_warps=g1.num_warps, num_stages=g1.num_stages, tma=bool(g1.tma))
     if plan.path is ExpertsPath.GROUPED_MM:
         al = align(ids, num_local, expert_map, x=x)
         h = torch._grouped_mm(al.x_sorted, weights.w13, offs=al.offsets)
