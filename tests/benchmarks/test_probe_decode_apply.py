@@ -51,11 +51,6 @@ def test_apply_writes_only_decode_plans_that_won_every_round(tmp_path, monkeypat
     assert (g1.block_n, g1.block_k, g1.num_warps, g1.tma, chosen[0].gemm2.block_n) == (32, 256, 8, 1, 256)
 
 
-def test_a_decode_entry_is_a_decode_plan_for_borrowing():
-    """A shape without a file borrows a ``decode`` entry only for a decode batch, like ``pairs``."""
-    assert configs.ExpertsPath.DECODE in configs.DECODE_PATHS
-
-
 @pytest.mark.parametrize("argv,says", [(["--rounds", "0"], "--rounds (0)"), (["--reps", "0"], "--reps (0)"),
                                        (["--points", "qwen3:x"], "is not shape:M")])
 def test_bad_arguments_are_named(argv, says, capsys):

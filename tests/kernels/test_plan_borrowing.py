@@ -68,6 +68,21 @@ def test_decode_borrows_a_decode_entry_and_batches_never_do(tuned_dir):
         assert _choose(m).path is ExpertsPath.SORTED
 
 
+def test_a_decode_path_entry_is_borrowed_like_a_pairs_one(tuned_dir):
+    """A tuned ``decode`` entry is a decode plan: a decode batch of an untuned shape borrows it,
+    a batch whose pairs share experts does not, and its own shape's larger batches fall back."""
+    name = "E8_H4096_I14336_bf16_cpu.json"
+    table = json.loads((tuned_dir / name).read_text())
+    table["1"] = configs.decode_plan(32, 256, 256, 8, 3, 1).to_dict()
+    (tuned_dir / name).write_text(json.dumps(table))
+    configs.reload()
+    assert _choose(1) == configs.decode_plan(32, 256, 256, 8, 3, 1)  # 8 pairs over 64 experts
+    assert _choose(16).path is ExpertsPath.SORTED
+    own = configs.choose_plan(num_tokens=8, top_k=2, num_local=8, hidden=4096, inter=14336, dtype=torch.bfloat16,
+                              device=CPU)  # 16 pairs over 8 experts share them: not the decode entry
+    assert own.path is not ExpertsPath.DECODE
+
+
 def test_grouped_mm_entries_and_files_without_top_k_are_not_borrowed(tuned_dir):
     # 512 rows per expert: the top-k-less file's entry would fit exactly, the grouped_mm one nearly
     plan = _choose(4096)
