@@ -2,7 +2,8 @@
 
 Uses ``torch._grouped_mm`` where the device and dtype support it (CPU with 16-byte aligned rows;
 CUDA sm90+ in bf16), otherwise a loop over experts (a host sync for the group sizes; it is the
-portable fallback, never the CUDA fast path).
+portable fallback, never the CUDA fast path). On the CPU a batch with fewer rows than experts
+takes the loop too: it visits only the experts that have rows.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
     """``x_SK`` rows sorted by expert, ``offsets_E`` int32 end offsets; rows past the last are 0,
     or, with ``zero_rest=False`` (a caller that masks them itself, or knows there are none),
     undefined: that saves a pass over the output."""
+    if x_SK.device.type == "cpu" and x_SK.shape[0] < w_EKN.shape[0]:
+        # fewer rows than experts (decode): most groups are empty, and torch._grouped_mm's CPU
+        # kernel still dispatches a select, a slice and an mm for each of them
+        return grouped_mm_loop(x_SK, w_EKN, offsets_E, zero_rest=zero_rest)
     if grouped_mm_supported(x_SK, w_EKN):
         out = torch._grouped_mm(x_SK.contiguous(), w_EKN, offs=offsets_E.to(torch.int32))
         if not zero_rest:
@@ -44,11 +49,16 @@ def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
     return grouped_mm_loop(x_SK, w_EKN, offsets_E)
 
 
-def grouped_mm_loop(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    out = x_SK.new_zeros(x_SK.shape[0], w_EKN.shape[-1])
+def grouped_mm_loop(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, *,
+                    zero_rest: bool = True) -> torch.Tensor:
+    """One ``torch.mm`` per expert that has rows (reads the offsets on the host)."""
+    rows = x_SK.shape[0]
+    out = x_SK.new_empty(rows, w_EKN.shape[-1])
     start = 0
     for expert, end in enumerate(offsets_E.tolist()):
         if end > start:
             torch.mm(x_SK[start:end], w_EKN[expert], out=out[start:end])
         start = end
+    if zero_rest and start < rows:
+        out[start:].zero_()
     return out

@@ -12,7 +12,7 @@ import torch
 
 from moe_compile.kernels.grouped_mm import grouped_mm
 from moe_compile.modular.base import ActivationFormat, ExpertWeights, PermuteExpertsUnpermute, WorkspaceShapes
-from moe_compile.modular.slots import batched_slots, local_expert_ids
+from moe_compile.modular.slots import local_expert_ids, sorted_pairs
 from moe_compile.modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
@@ -93,36 +93,32 @@ class GroupedExperts(PermuteExpertsUnpermute):
               apply_router_weight_on_input):
         num_local = weights.w13.shape[0]
         num_tokens, topk = topk_ids.shape
-        slots = batched_slots(topk_ids, num_local, expert_map)
-        order = slots.order
+        pairs = sorted_pairs(topk_ids, num_local, expert_map)
+        order = pairs.order
         token_of_row = order // topk
         x_SK = _scratch(workspace13, order.numel(), hidden_states.shape[1])
         torch.index_select(hidden_states, 0, token_of_row, out=x_SK)
         has_bias = weights.w13_bias is not None or weights.w2_bias is not None
-        expert_S = slots.local_expert[order].clamp(min=0) if has_bias else None
-        # rows past the last offset (other ranks' pairs, only with an expert_map) stay undefined
-        # through both GEMMs and are masked once, in the combine below
-        h_SN = grouped_mm(x_SK, weights.w13, slots.offsets, zero_rest=False)
+        expert_S = local_expert_ids(topk_ids, num_local, expert_map)[order].clamp(min=0) if has_bias else None
+        # rows past the last offset (other ranks' pairs, or ids past the local experts) stay
+        # undefined through both GEMMs and are masked once, in the combine below
+        h_SN = grouped_mm(x_SK, weights.w13, pairs.offsets, zero_rest=False)
         if weights.w13_bias is not None:
             h_SN = h_SN + weights.w13_bias[expert_S]
-        a_SI = _scratch(workspace2, order.numel(), weights.w2.shape[1])
-        a_SI.copy_(apply_activation(h_SN, self.config))
-        y_SK = grouped_mm(a_SI, weights.w2, slots.offsets, zero_rest=False)
+        y_SK = grouped_mm(apply_activation(h_SN, self.config), weights.w2, pairs.offsets, zero_rest=False)
         if weights.w2_bias is not None:
             y_SK = y_SK + weights.w2_bias[expert_S]
-        # unpermute with a gather, then weight and sum each token's top-k rows in one batched
-        # matmul (fp32): deterministic, no atomics, no [P, K] temporaries for the mask and the
-        # weights, and far cheaper on CPU than index_add_ (whose parallel scatter dominated small calls)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        y_PK = y_SK.index_select(0, inverse).float()
-        scale_P = slots.valid.float()
+        # weight the rows in expert order and sum each token's rows in fp32. Rows that are not
+        # this rank's (sorted last, undefined, maybe NaN) go to a sink row past the tokens, so no
+        # pass over [P, K] masks them
+        valid_S = pairs.valid[order]
+        sink_S = torch.where(valid_S, token_of_row, num_tokens)
+        rows_SK = y_SK if y_SK.dtype == torch.float32 else y_SK.float()
         if not apply_router_weight_on_input:
-            scale_P = scale_P * topk_weights.reshape(-1).float()
-        if expert_map is not None:  # other ranks' pairs: rows the grouped GEMM never wrote
-            y_PK = torch.where(slots.valid.unsqueeze(-1), y_PK, 0.0)
-        out_TK = torch.bmm(scale_P.view(num_tokens, 1, topk), y_PK.view(num_tokens, topk, -1))
-        output.copy_(out_TK.view(num_tokens, -1))
+            rows_SK.mul_(topk_weights.reshape(-1).float()[order].unsqueeze(-1))
+        sum_TK = torch.zeros(num_tokens + 1, y_SK.shape[1], dtype=torch.float32, device=y_SK.device)
+        sum_TK.index_add_(0, sink_S, rows_SK)
+        output.copy_(sum_TK[:num_tokens])
 
 
 class BatchedExperts(PermuteExpertsUnpermute):

@@ -24,6 +24,29 @@ def local_expert_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.T
     return torch.where((ids >= 0) & (ids < num_local), ids, -1)
 
 
+@dataclass(frozen=True)
+class SortedPairs:
+    order: torch.Tensor  # [P] pairs sorted by (local expert, token); other ranks' pairs last
+    offsets: torch.Tensor  # [E_local] int32 cumulative counts (end of each expert's rows)
+    valid: torch.Tensor  # [P] bool
+
+
+def sorted_pairs(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None) -> SortedPairs:
+    """Only what a grouped GEMM needs: the expert order of the pairs and each expert's end offset
+    (``batched_slots`` also ranks each pair within its expert, which costs four more passes)."""
+    local = local_expert_ids(topk_ids, num_local, expert_map)
+    valid = local >= 0
+    key = torch.where(valid, local, num_local)
+    order = torch.argsort(key, stable=True)
+    if key.device.type == "cpu":  # on a GPU bincount reads the largest key back to the host
+        counts = torch.bincount(key, minlength=num_local + 1)
+    else:
+        counts = torch.zeros(num_local + 1, dtype=torch.long, device=key.device)
+        counts.scatter_add_(0, key, torch.ones_like(key))
+    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
+    return SortedPairs(order, offsets, valid)
+
+
 def batched_slots(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None) -> ExpertSlots:
     local = local_expert_ids(topk_ids, num_local, expert_map)
     valid = local >= 0

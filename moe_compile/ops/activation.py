@@ -27,12 +27,13 @@ def apply_activation(h_NF: torch.Tensor, cfg: ExpertsConfig) -> torch.Tensor:
             return F.relu(h_NF)
         return torch.square(F.relu(h_NF))
     gate, up = split_gate_up(h_NF, cfg.gate_up_interleaved)
+    # the activated gate is a fresh tensor: multiplying it in place saves a [N, I] buffer
     if act is Activation.SILU:
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)
     if act is Activation.GELU:
-        return F.gelu(gate) * up
+        return F.gelu(gate).mul_(up)
     if act is Activation.GELU_TANH:
-        return F.gelu(gate, approximate="tanh") * up
+        return F.gelu(gate, approximate="tanh").mul_(up)
     # SWIGLU_OAI (gpt-oss)
     gate = gate.clamp(max=cfg.swiglu_limit)
     up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)

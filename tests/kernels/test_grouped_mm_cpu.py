@@ -1,0 +1,76 @@
+"""The portable grouped GEMM on the CPU: torch._grouped_mm, or the loop over experts with rows
+for a batch with fewer rows than experts; both against a per-row reference."""
+import pytest
+import torch
+
+from moe_compile.kernels import grouped_mm as gmm
+from moe_compile.modular.slots import batched_slots, sorted_pairs
+
+
+def _case(rows: int, experts: int, seed: int, tail: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, experts, (rows - tail,), generator=gen).sort().values
+    counts = torch.bincount(ids, minlength=experts)
+    offsets = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(rows, 32, generator=gen)
+    w = torch.randn(experts, 32, 24, generator=gen)
+    want = torch.zeros(rows, 24)
+    for r, e in enumerate(ids.tolist()):
+        want[r] = x[r] @ w[e]
+    return x, w, offsets, want
+
+
+@pytest.mark.parametrize("rows, experts, tail", [(3, 16, 0), (5, 16, 2), (1, 4, 0), (40, 8, 0), (40, 8, 7)])
+def test_grouped_mm_matches_per_row_products(rows, experts, tail):
+    x, w, offsets, want = _case(rows, experts, seed=rows + experts, tail=tail)
+    got = gmm.grouped_mm(x, w, offsets)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool((got[rows - tail:] == 0).all())  # rows past the last offset are zero
+
+
+def test_few_rows_take_the_loop_and_many_rows_the_grouped_kernel(monkeypatch):
+    calls = []
+    real = torch._grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    x, w, offsets, want = _case(3, 16, seed=1)
+    torch.testing.assert_close(gmm.grouped_mm(x, w, offsets), want, rtol=1e-5, atol=1e-5)
+    assert calls == []
+    x, w, offsets, want = _case(40, 8, seed=2)
+    torch.testing.assert_close(gmm.grouped_mm(x, w, offsets), want, rtol=1e-5, atol=1e-5)
+    assert calls == [40]
+
+
+def test_loop_visits_only_experts_with_rows(monkeypatch):
+    seen = []
+    real_mm = torch.mm
+
+    def counting_mm(a, b, *, out=None):
+        seen.append(a.shape[0])
+        return real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", counting_mm)
+    x, w, offsets, want = _case(4, 64, seed=3)
+    torch.testing.assert_close(gmm.grouped_mm(x, w, offsets), want, rtol=1e-5, atol=1e-5)
+    nonempty = int((torch.diff(offsets, prepend=offsets.new_zeros(1)) > 0).sum())
+    assert len(seen) == nonempty and sum(seen) == 4
+
+
+@pytest.mark.parametrize("with_map", [False, True])
+def test_sorted_pairs_agrees_with_batched_slots(with_map):
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(10)]).int()
+    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32) if with_map else None
+    num_local = 4 if with_map else 8
+    pairs = sorted_pairs(ids, num_local, expert_map)
+    slots = batched_slots(ids, num_local, expert_map)
+    assert torch.equal(pairs.order, slots.order)
+    assert torch.equal(pairs.offsets, slots.offsets)
+    assert torch.equal(pairs.valid, slots.valid)
+    # ids past the local experts without a map are not local either
+    pairs = sorted_pairs(torch.tensor([[0, 5]], dtype=torch.int32), 4)
+    assert pairs.valid.tolist() == [True, False] and pairs.offsets.tolist() == [1, 1, 1, 1]
