@@ -17,6 +17,13 @@ def cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether reading a tensor's values on the host costs no synchronisation (CPU tensors). The
+    portable path then takes shortcuts that would stall a GPU (``bincount``, a loop over the
+    experts with rows); the host-sync audit turns this off to check the path a GPU runs."""
+    return device.type == "cpu"
+
+
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
@@ -35,7 +42,7 @@ def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor,
     """``x_SK`` rows sorted by expert, ``offsets_E`` int32 end offsets; rows past the last are 0,
     or, with ``zero_rest=False`` (a caller that masks them itself, or knows there are none),
     undefined: that saves a pass over the output."""
-    if x_SK.device.type == "cpu" and x_SK.shape[0] < w_EKN.shape[0]:
+    if host_reads_are_free(x_SK.device) and x_SK.shape[0] < w_EKN.shape[0]:
         # fewer rows than experts (decode): most groups are empty, and torch._grouped_mm's CPU
         # kernel still dispatches a select, a slice and an mm for each of them
         return grouped_mm_loop(x_SK, w_EKN, offsets_E, zero_rest=zero_rest)

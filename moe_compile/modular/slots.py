@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_compile.kernels import grouped_mm
+
 
 @dataclass(frozen=True)
 class ExpertSlots:
@@ -38,7 +40,7 @@ def sorted_pairs(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tenso
     valid = local >= 0
     key = torch.where(valid, local, num_local)
     order = torch.argsort(key, stable=True)
-    if key.device.type == "cpu":  # on a GPU bincount reads the largest key back to the host
+    if grouped_mm.host_reads_are_free(key.device):  # on a GPU bincount reads the largest key back
         counts = torch.bincount(key, minlength=num_local + 1)
     else:
         counts = torch.zeros(num_local + 1, dtype=torch.long, device=key.device)

@@ -307,6 +307,7 @@ def host_syncs(case: Case) -> list[str]:
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from moe_compile.kernels import grouped_mm
     from moe_compile.lowering.base import MoEInputs, StagedLowering
     from moe_compile.lowering.cuda import CudaLowering
     from moe_compile.modular import ExpertWeights
@@ -338,10 +339,13 @@ def host_syncs(case: Case) -> list[str]:
     inputs = MoEInputs(x, None, ExpertWeights(w.w13, w.w2), topk_weights=weights, topk_ids=ids)
     os.environ["MOE_COMPILE_DIST_CHECKS"] = "0"
     torch.Tensor.tolist = tolist
+    free = grouped_mm.host_reads_are_free
+    grouped_mm.host_reads_are_free = lambda device: False  # audit the path a GPU takes
     try:
         with Watch():
             (CudaLowering() if p.x.is_cuda else StagedLowering()).run(inputs, cfg)
     finally:
         torch.Tensor.tolist = tolist.__defaults__[0]
+        grouped_mm.host_reads_are_free = free
         os.environ.pop("MOE_COMPILE_DIST_CHECKS")
     return seen

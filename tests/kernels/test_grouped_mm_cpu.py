@@ -74,3 +74,16 @@ def test_sorted_pairs_agrees_with_batched_slots(with_map):
     # ids past the local experts without a map are not local either
     pairs = sorted_pairs(torch.tensor([[0, 5]], dtype=torch.int32), 4)
     assert pairs.valid.tolist() == [True, False] and pairs.offsets.tolist() == [1, 1, 1, 1]
+
+
+def test_without_free_host_reads_no_shortcut_reads_the_host(monkeypatch):
+    """What a GPU runs (and what the host-sync audit checks): no loop, no bincount, no tolist."""
+    x, w, offsets, want = _case(3, 16, seed=5)
+    monkeypatch.setattr(gmm, "host_reads_are_free", lambda device: False)
+    read = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: read.append("tolist"))
+    monkeypatch.setattr(torch, "bincount", lambda *a, **k: read.append("bincount"))
+    torch.testing.assert_close(gmm.grouped_mm(x, w, offsets), want, rtol=1e-5, atol=1e-5)
+    pairs = sorted_pairs(torch.tensor([[3, 1], [1, 0]], dtype=torch.int32), 4)
+    assert read == []
+    assert pairs.offsets.numpy().tolist() == [1, 3, 3, 4]
