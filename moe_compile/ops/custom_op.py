@@ -64,6 +64,38 @@ def _run(cfg: MoEConfig, inputs: MoEInputs) -> torch.Tensor:
     return lowering.run(inputs, cfg)
 
 
+def fused_moe_impl(
+    hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias, e_score_correction_bias,
+    num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group, group_count,
+    group_select_mode, normalize_sigmoid, scoring_after_topk, activation, swiglu_alpha, swiglu_limit,
+    gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+    tokens_full, reduce_results, lowering,
+) -> torch.Tensor:
+    """What ``moe_compile::fused_moe`` runs (``fused_moe()`` calls it directly in plain eager mode)."""
+    cfg = make_config(num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group,
+                      group_count, group_select_mode, normalize_sigmoid, scoring_after_topk,
+                      e_score_correction_bias is not None, activation, swiglu_alpha, swiglu_limit,
+                      gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
+                      dispatcher_type, tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
+
+
+def fused_experts_impl(
+    hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias, w2_bias, num_experts, activation,
+    swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
+    dispatcher_type, tokens_full, reduce_results, lowering,
+) -> torch.Tensor:
+    """What ``moe_compile::fused_experts`` runs."""
+    cfg = make_config(num_experts, topk_ids.shape[-1], "softmax", False, 1.0, 1, 1, 0, True, False, False,
+                      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
+                      apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+                      tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    inputs = MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids)
+    return _run(cfg, inputs)
+
+
 @torch.library.custom_op("moe_compile::fused_moe", mutates_args=())
 def fused_moe_op(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
@@ -75,13 +107,12 @@ def fused_moe_op(
     apply_router_weight_on_input: bool, tp_group_name: Optional[str], ep_group_name: Optional[str],
     dispatcher_type: Optional[str], tokens_full: bool, reduce_results: bool, lowering: str,
 ) -> torch.Tensor:
-    cfg = make_config(num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group,
-                      group_count, group_select_mode, normalize_sigmoid, scoring_after_topk,
-                      e_score_correction_bias is not None, activation, swiglu_alpha, swiglu_limit,
-                      gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
-                      dispatcher_type, tokens_full, reduce_results, lowering)
-    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
-    return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
+    return fused_moe_impl(hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias,
+                          e_score_correction_bias, num_experts, top_k, routing_method, renormalize,
+                          routed_scaling_factor, k_group, group_count, group_select_mode, normalize_sigmoid,
+                          scoring_after_topk, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
+                          apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+                          tokens_full, reduce_results, lowering)
 
 
 @fused_moe_op.register_fake
@@ -99,13 +130,10 @@ def fused_experts_op(
     tp_group_name: Optional[str], ep_group_name: Optional[str], dispatcher_type: Optional[str],
     tokens_full: bool, reduce_results: bool, lowering: str,
 ) -> torch.Tensor:
-    cfg = make_config(num_experts, topk_ids.shape[-1], "softmax", False, 1.0, 1, 1, 0, True, False, False,
-                      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
-                      apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
-                      tokens_full, reduce_results, lowering)
-    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
-    inputs = MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids)
-    return _run(cfg, inputs)
+    return fused_experts_impl(hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias, w2_bias,
+                              num_experts, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
+                              apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+                              tokens_full, reduce_results, lowering)
 
 
 @fused_experts_op.register_fake

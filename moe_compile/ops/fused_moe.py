@@ -118,17 +118,36 @@ def fused_moe(
         validate_routing_output(weights, ids, flat_x.shape[0], top_k, num_experts, hidden_states.device)
         if routed_scaling_factor != 1.0:
             weights = weights * routed_scaling_factor
-        return torch.ops.moe_compile.fused_experts(
-            hidden_states, weights.float(), ids.to(torch.int32), w13_weight, w2_weight, w13_bias, w2_bias,
-            num_experts=num_experts, **common,
-        )
-    return torch.ops.moe_compile.fused_moe(
-        hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias, e_score_correction_bias,
-        num_experts=num_experts, top_k=top_k, routing_method=routing_method, renormalize=renormalize,
+        weights, ids = weights.float(), ids.to(torch.int32)
+        tensors = (hidden_states, weights, ids, w13_weight, w2_weight, w13_bias, w2_bias)
+        op = custom_op.fused_experts_impl if direct_call_ok(tensors) else torch.ops.moe_compile.fused_experts
+        return op(*tensors, num_experts=num_experts, **common)
+    tensors = (hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias, e_score_correction_bias)
+    op = custom_op.fused_moe_impl if direct_call_ok(tensors) else torch.ops.moe_compile.fused_moe
+    return op(
+        *tensors, num_experts=num_experts, top_k=top_k, routing_method=routing_method, renormalize=renormalize,
         routed_scaling_factor=routed_scaling_factor, k_group=k_group, group_count=group_count,
         group_select_mode=group_select_mode, normalize_sigmoid=normalize_sigmoid,
         scoring_after_topk=scoring_after_topk, **common,
     )
+
+
+def direct_call_ok(tensors) -> bool:
+    """Plain eager inference: call the op's implementation without the custom-op dispatch (about
+    50 µs a call). Anything that must see one op node goes through ``torch.ops`` instead: torch.compile
+    tracing, a dispatch or function mode (fake tensors, export, profilers of ops), tensor
+    subclasses, and autograd recording (the op declares no backward, so the error stays the op's)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            return False
+        if grad and t.requires_grad:
+            return False
+    return True
 
 
 def _note_fused_op_fallback() -> None:
