@@ -53,6 +53,24 @@ def time_pair(direct, via_op, reps: int, sync) -> tuple[float, float]:
     return statistics.median(times[0]), statistics.median(times[1])
 
 
+def time_shape(shape: Shape, ms, reps: int, dev, dtype, sync):
+    """``(M, direct µs, torch.ops µs)`` for each token count, after checking both calls agree."""
+    e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(e, 2 * i, h, device=dev, generator=gen) * h ** -0.5).to(dtype).transpose(1, 2)
+    w2 = (torch.randn(e, h, i, device=dev, generator=gen) * i ** -0.5).to(dtype).transpose(1, 2)
+    rows = []
+    for m in ms:
+        x = torch.randn(m, h, device=dev, generator=gen).to(dtype)
+        logits = torch.randn(m, e, device=dev, generator=gen).to(dtype)
+        direct = lambda: fused_moe(x, logits, e, k, w13, w2, **shape.routing)  # noqa: E731
+        via_op = lambda: op_call(x, logits, w13, w2, shape)  # noqa: E731
+        if not torch.equal(direct(), via_op()):
+            raise AssertionError(f"{shape.name} M={m}: the direct call and torch.ops disagree")
+        rows.append((m, *time_pair(direct, via_op, reps, sync)))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3"], choices=list(SHAPES))
@@ -68,21 +86,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for name in args.shapes:
             s = SHAPES[name]
-            h, i = s.hidden // args.scale, s.inter // args.scale
-            shape = Shape(s.name, s.num_experts, s.top_k, h, i, s.routing)
-            gen = torch.Generator(device=dev).manual_seed(0)
-            w13 = (torch.randn(s.num_experts, 2 * i, h, device=dev, generator=gen) * h ** -0.5).to(dtype).transpose(1, 2)
-            w2 = (torch.randn(s.num_experts, h, i, device=dev, generator=gen) * i ** -0.5).to(dtype).transpose(1, 2)
-            for m in args.ms:
-                x = torch.randn(m, h, device=dev, generator=gen).to(dtype)
-                logits = torch.randn(m, s.num_experts, device=dev, generator=gen).to(dtype)
-                direct = lambda: fused_moe(x, logits, s.num_experts, s.top_k, w13, w2, **s.routing)  # noqa: E731
-                via_op = lambda: op_call(x, logits, w13, w2, shape)  # noqa: E731
-                if not torch.equal(direct(), via_op()):
-                    raise AssertionError(f"{name} M={m}: the direct call and torch.ops disagree")
-                d, o = time_pair(direct, via_op, args.reps, sync)
+            shape = Shape(s.name, s.num_experts, s.top_k, s.hidden // args.scale, s.inter // args.scale, s.routing)
+            for m, d, o in time_shape(shape, args.ms, args.reps, dev, dtype, sync):
                 print(f"{name:<12}{m:>6}{d:>11.1f}{o:>14.1f}{d / o:>11.3f}", flush=True)
-            del w13, w2
     return 0
 
 
