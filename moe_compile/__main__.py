@@ -103,7 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--inner-compiler", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                   help="what compiles the rewritten graph (inductor: the backend's own default off NPUs)")
     p.add_argument("--dump-dir", default=None)
     p.set_defaults(fn=demo)
     p = sub.add_parser("inspect", help="build a tiny random model of a transformers MoE type and report")
