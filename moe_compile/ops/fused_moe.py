@@ -135,9 +135,10 @@ def fused_moe(
 def direct_call_ok(tensors) -> bool:
     """Plain eager inference: call the op's implementation without the custom-op dispatch (about
     50 µs a call). Anything that must see one op node goes through ``torch.ops`` instead: torch.compile
-    tracing, a dispatch or function mode (fake tensors, export, profilers of ops), tensor
+    or ``torch.jit.trace`` tracing, a dispatch or function mode (fake tensors, export, profilers of ops), tensor
     subclasses, and autograd recording (the op declares no backward, so the error stays the op's)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+            or torch._C._len_torch_function_stack()):
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:

@@ -94,3 +94,15 @@ def test_compiled_calls_go_through_the_op(calls):
     with torch.no_grad():
         f(args[0], args[1], args[4], args[5])
     assert "direct" not in calls and calls
+
+
+def test_jit_trace_records_the_op(calls):
+    args = _args()
+
+    def f(x, logits, w13, w2):
+        return fused_moe(x, logits, 8, 2, w13, w2)
+
+    with torch.no_grad():
+        traced = torch.jit.trace(f, (args[0], args[1], args[4], args[5]), check_trace=False)
+    assert calls == ["op"]
+    assert "moe_compile::fused_moe" in str(traced.graph)
