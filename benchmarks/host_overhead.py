@@ -79,7 +79,7 @@ def dispatch_figures() -> None:
     kw = op_kwargs(e, k, "auto")
     whole = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True))
     op = mean_us(lambda: torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **kw))
-    body = mean_us(lambda: custom_op.fused_moe_op._init_fn(x, logits, w13, w2, None, None, None, **kw))
+    body = mean_us(lambda: custom_op.fused_moe_impl(x, logits, w13, w2, None, None, None, **kw))
     print(f"eager fused_moe() (lowering replaced by a clone):    {whole:8.1f} us")
     print(f"  of which validation and argument parsing:           {whole - body:8.1f} us")
     print(f"custom-op dispatch (torch.ops, as a compiled graph):  {op - body:8.1f} us")

@@ -95,24 +95,25 @@ class GroupedExperts(PermuteExpertsUnpermute):
         num_tokens, topk = topk_ids.shape
         pairs = sorted_pairs(topk_ids, num_local, expert_map)
         order = pairs.order
+        key_S = pairs.key[order]  # num_local for the rows of other ranks' pairs (sorted last)
         token_of_row = order // topk
         x_SK = _scratch(workspace13, order.numel(), hidden_states.shape[1])
         torch.index_select(hidden_states, 0, token_of_row, out=x_SK)
         has_bias = weights.w13_bias is not None or weights.w2_bias is not None
-        expert_S = local_expert_ids(topk_ids, num_local, expert_map)[order].clamp(min=0) if has_bias else None
+        expert_S = key_S.clamp(max=num_local - 1) if has_bias else None
         # rows past the last offset (other ranks' pairs, or ids past the local experts) stay
-        # undefined through both GEMMs and are masked once, in the combine below
+        # undefined through both GEMMs and are dropped once, in the combine below
         h_SN = grouped_mm(x_SK, weights.w13, pairs.offsets, zero_rest=False)
         if weights.w13_bias is not None:
             h_SN = h_SN + weights.w13_bias[expert_S]
         y_SK = grouped_mm(apply_activation(h_SN, self.config), weights.w2, pairs.offsets, zero_rest=False)
         if weights.w2_bias is not None:
             y_SK = y_SK + weights.w2_bias[expert_S]
-        # weight the rows in expert order and sum each token's rows in fp32. Rows that are not
-        # this rank's (sorted last, undefined, maybe NaN) go to a sink row past the tokens, so no
-        # pass over [P, K] masks them
-        valid_S = pairs.valid[order]
-        sink_S = torch.where(valid_S, token_of_row, num_tokens)
+        # weight the rows in expert order and sum each token's rows in fp32 (index_add_: in order on
+        # the CPU; on a GPU, atomics unless torch.use_deterministic_algorithms). Rows that are not
+        # this rank's (undefined, maybe NaN) go to a sink row past the tokens, so no pass over
+        # [P, K] masks them
+        sink_S = torch.where(key_S < num_local, token_of_row, num_tokens)
         rows_SK = y_SK if y_SK.dtype == torch.float32 else y_SK.float()
         if not apply_router_weight_on_input:
             rows_SK.mul_(topk_weights.reshape(-1).float()[order].unsqueeze(-1))

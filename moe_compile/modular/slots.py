@@ -28,17 +28,18 @@ def local_expert_ids(topk_ids: torch.Tensor, num_local: int, expert_map: torch.T
 
 @dataclass(frozen=True)
 class SortedPairs:
-    order: torch.Tensor  # [P] pairs sorted by (local expert, token); other ranks' pairs last
+    key: torch.Tensor  # [P] local expert of each pair; E_local for pairs not on this rank
+    order: torch.Tensor  # [P] pairs sorted by key, stably (token order within an expert); other ranks' last
+    counts: torch.Tensor  # [E_local + 1] int64 pairs per key (the last: other ranks' pairs)
     offsets: torch.Tensor  # [E_local] int32 cumulative counts (end of each expert's rows)
-    valid: torch.Tensor  # [P] bool
 
 
 def sorted_pairs(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None) -> SortedPairs:
-    """Only what a grouped GEMM needs: the expert order of the pairs and each expert's end offset
-    (``batched_slots`` also ranks each pair within its expert, which costs four more passes)."""
-    local = local_expert_ids(topk_ids, num_local, expert_map)
-    valid = local >= 0
-    key = torch.where(valid, local, num_local)
+    """The pairs in expert order and each expert's end offset: what a grouped GEMM needs."""
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    key = torch.where((ids >= 0) & (ids < num_local), ids, num_local)
     order = torch.argsort(key, stable=True)
     if grouped_mm.host_reads_are_free(key.device):  # on a GPU bincount reads the largest key back
         counts = torch.bincount(key, minlength=num_local + 1)
@@ -46,21 +47,17 @@ def sorted_pairs(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tenso
         counts = torch.zeros(num_local + 1, dtype=torch.long, device=key.device)
         counts.scatter_add_(0, key, torch.ones_like(key))
     offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
-    return SortedPairs(order, offsets, valid)
+    return SortedPairs(key, order, counts, offsets)
 
 
 def batched_slots(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | None = None) -> ExpertSlots:
-    local = local_expert_ids(topk_ids, num_local, expert_map)
-    valid = local >= 0
-    key = torch.where(valid, local, num_local)
-    _, order = torch.sort(key, stable=True)
-    counts = torch.zeros(num_local + 1, dtype=torch.long, device=key.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
+    """``sorted_pairs`` plus each pair's rank among its expert's pairs (its slot in a batched buffer)."""
+    pairs = sorted_pairs(topk_ids, num_local, expert_map)
+    key, order, counts = pairs.key, pairs.order, pairs.counts
+    valid = key < num_local
     starts = torch.cumsum(counts, 0) - counts
-    sorted_key = key[order]
-    position = torch.arange(key.numel(), device=key.device) - starts[sorted_key]
+    position = torch.arange(key.numel(), device=key.device) - starts[key[order]]
     slot = torch.empty_like(position)
     slot[order] = position
-    expert_num_tokens = counts[:num_local].to(torch.int32)
-    offsets = torch.cumsum(counts[:num_local], 0).to(torch.int32)
-    return ExpertSlots(local, slot, valid, expert_num_tokens, order, offsets)
+    local = torch.where(valid, key, -1)
+    return ExpertSlots(local, slot, valid, counts[:num_local].to(torch.int32), order, pairs.offsets)

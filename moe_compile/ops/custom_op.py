@@ -65,39 +65,6 @@ def _run(cfg: MoEConfig, inputs: MoEInputs) -> torch.Tensor:
 
 
 def fused_moe_impl(
-    hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias, e_score_correction_bias,
-    num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group, group_count,
-    group_select_mode, normalize_sigmoid, scoring_after_topk, activation, swiglu_alpha, swiglu_limit,
-    gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
-    tokens_full, reduce_results, lowering,
-) -> torch.Tensor:
-    """What ``moe_compile::fused_moe`` runs (``fused_moe()`` calls it directly in plain eager mode)."""
-    cfg = make_config(num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group,
-                      group_count, group_select_mode, normalize_sigmoid, scoring_after_topk,
-                      e_score_correction_bias is not None, activation, swiglu_alpha, swiglu_limit,
-                      gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
-                      dispatcher_type, tokens_full, reduce_results, lowering)
-    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
-    return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
-
-
-def fused_experts_impl(
-    hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias, w2_bias, num_experts, activation,
-    swiglu_alpha, swiglu_limit, gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
-    dispatcher_type, tokens_full, reduce_results, lowering,
-) -> torch.Tensor:
-    """What ``moe_compile::fused_experts`` runs."""
-    cfg = make_config(num_experts, topk_ids.shape[-1], "softmax", False, 1.0, 1, 1, 0, True, False, False,
-                      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
-                      apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
-                      tokens_full, reduce_results, lowering)
-    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
-    inputs = MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids)
-    return _run(cfg, inputs)
-
-
-@torch.library.custom_op("moe_compile::fused_moe", mutates_args=())
-def fused_moe_op(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
     w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
     e_score_correction_bias: Optional[torch.Tensor], num_experts: int, top_k: int,
@@ -107,12 +74,17 @@ def fused_moe_op(
     apply_router_weight_on_input: bool, tp_group_name: Optional[str], ep_group_name: Optional[str],
     dispatcher_type: Optional[str], tokens_full: bool, reduce_results: bool, lowering: str,
 ) -> torch.Tensor:
-    return fused_moe_impl(hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias,
-                          e_score_correction_bias, num_experts, top_k, routing_method, renormalize,
-                          routed_scaling_factor, k_group, group_count, group_select_mode, normalize_sigmoid,
-                          scoring_after_topk, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
-                          apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
-                          tokens_full, reduce_results, lowering)
+    """What ``moe_compile::fused_moe`` runs; ``fused_moe()`` calls it directly in plain eager inference."""
+    cfg = make_config(num_experts, top_k, routing_method, renormalize, routed_scaling_factor, k_group,
+                      group_count, group_select_mode, normalize_sigmoid, scoring_after_topk,
+                      e_score_correction_bias is not None, activation, swiglu_alpha, swiglu_limit,
+                      gate_up_interleaved, apply_router_weight_on_input, tp_group_name, ep_group_name,
+                      dispatcher_type, tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
+
+
+fused_moe_op = torch.library.custom_op("moe_compile::fused_moe", mutates_args=())(fused_moe_impl)
 
 
 @fused_moe_op.register_fake
@@ -121,8 +93,7 @@ def _fused_moe_fake(hidden_states, *args, **kwargs):
     return hidden_states.new_empty(hidden_states.shape)
 
 
-@torch.library.custom_op("moe_compile::fused_experts", mutates_args=())
-def fused_experts_op(
+def fused_experts_impl(
     hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_weight: torch.Tensor, w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor],
     w2_bias: Optional[torch.Tensor], num_experts: int, activation: str, swiglu_alpha: float,
@@ -130,10 +101,16 @@ def fused_experts_op(
     tp_group_name: Optional[str], ep_group_name: Optional[str], dispatcher_type: Optional[str],
     tokens_full: bool, reduce_results: bool, lowering: str,
 ) -> torch.Tensor:
-    return fused_experts_impl(hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias, w2_bias,
-                              num_experts, activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
-                              apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
-                              tokens_full, reduce_results, lowering)
+    """What ``moe_compile::fused_experts`` runs (the routing already done)."""
+    cfg = make_config(num_experts, topk_ids.shape[-1], "softmax", False, 1.0, 1, 1, 0, True, False, False,
+                      activation, swiglu_alpha, swiglu_limit, gate_up_interleaved,
+                      apply_router_weight_on_input, tp_group_name, ep_group_name, dispatcher_type,
+                      tokens_full, reduce_results, lowering)
+    weights = ExpertWeights(w13_weight, w2_weight, w13_bias, w2_bias)
+    return _run(cfg, MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids))
+
+
+fused_experts_op = torch.library.custom_op("moe_compile::fused_experts", mutates_args=())(fused_experts_impl)
 
 
 @fused_experts_op.register_fake

@@ -6,15 +6,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import probe_decode  # noqa: E402
-import probe_gemv  # noqa: E402
 
 from moe_compile.kernels.triton import configs  # noqa: E402
+from tuned_files import TUNED, chosen_plans, tuned_file  # noqa: E402
 
 
 def _row(m, tuned_us, decode_us, err=3e-3):
@@ -25,27 +24,15 @@ def _row(m, tuned_us, decode_us, err=3e-3):
 
 
 def test_apply_writes_only_decode_plans_that_won_every_round(tmp_path, monkeypatch):
-    name = configs.config_file_name(128, 2048, 768, torch.bfloat16, "NVIDIA_H200")
-    tuned = {"path": "pairs", "gemm1": {"block_m": 16, "block_n": 64, "block_k": 256},
-             "gemm2": {"block_m": 16, "block_n": 64, "block_k": 128}}
-    (tmp_path / name).write_text(json.dumps({"1": tuned, "4": tuned, "8": tuned}))
-    monkeypatch.setattr(probe_gemv, "CONFIG_DIR", tmp_path)  # probe_gemv.write_entry writes for both probes
-    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(probe_gemv, "device_key", lambda device: "NVIDIA_H200")
+    path = tuned_file(tmp_path, monkeypatch, (1, 4, 8))
     rows = [_row(1, [26.0, 26.2, 26.1], [25.0, 25.5, 25.1]),   # faster in every round: written
             _row(4, [76.0, 76.5, 76.1], [75.0, 77.0, 75.1]),   # slower in one round: kept
             _row(8, [90.0, 90.0, 90.0], [80.0, 80.0, 80.0], err=0.2)]  # off: kept
     probe_decode.apply(rows)
-    table = json.loads((tmp_path / name).read_text())
+    table = json.loads(path.read_text())
     assert table["1"]["path"] == "decode" and table["1"]["us"] == 25.1 and "26.1" in table["1"]["_from"]
-    assert table["4"] == tuned and table["8"] == tuned
-    monkeypatch.setattr(configs, "device_key", lambda device: "NVIDIA_H200")
-    configs.reload()
-    try:
-        chosen = [configs.choose_plan(num_tokens=m, top_k=8, num_local=128, hidden=2048, inter=768,
-                                      dtype=torch.bfloat16, device=torch.device("cpu")) for m in (1, 4)]
-    finally:
-        configs.reload()
+    assert table["4"] == TUNED and table["8"] == TUNED
+    chosen = chosen_plans(monkeypatch, (1, 4))
     assert [p.path for p in chosen] == [configs.ExpertsPath.DECODE, configs.ExpertsPath.PAIRS]
     g1 = chosen[0].gemm1
     assert (g1.block_n, g1.block_k, g1.num_warps, g1.tma, chosen[0].gemm2.block_n) == (32, 256, 8, 1, 256)

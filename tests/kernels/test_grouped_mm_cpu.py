@@ -61,19 +61,30 @@ def test_loop_visits_only_experts_with_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("with_map", [False, True])
-def test_sorted_pairs_agrees_with_batched_slots(with_map):
+def test_sorted_pairs_and_batched_slots_against_a_per_pair_reference(with_map):
     gen = torch.Generator().manual_seed(4)
     ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(10)]).int()
-    expert_map = torch.tensor([-1, 0, -1, 1, 2, -1, 3, -1], dtype=torch.int32) if with_map else None
+    emap = [-1, 0, -1, 1, 2, -1, 3, -1] if with_map else None
     num_local = 4 if with_map else 8
+    local = [emap[i] if emap else i for i in ids.view(-1).tolist()]
+    key = [e if 0 <= e < num_local else num_local for e in local]
+    order = sorted(range(len(key)), key=lambda p: (key[p], p))
+    counts = [key.count(e) for e in range(num_local)]
+    offsets = [sum(counts[:e + 1]) for e in range(num_local)]
+    slot = [sum(1 for q in range(p) if key[q] == key[p]) for p in range(len(key))]
+    expert_map = torch.tensor(emap, dtype=torch.int32) if with_map else None
     pairs = sorted_pairs(ids, num_local, expert_map)
+    assert pairs.key.tolist() == key and pairs.order.tolist() == order and pairs.offsets.tolist() == offsets
+    assert pairs.counts.tolist() == counts + [key.count(num_local)]
     slots = batched_slots(ids, num_local, expert_map)
-    assert torch.equal(pairs.order, slots.order)
-    assert torch.equal(pairs.offsets, slots.offsets)
-    assert torch.equal(pairs.valid, slots.valid)
+    assert slots.order.tolist() == order and slots.offsets.tolist() == offsets
+    assert slots.expert_num_tokens.tolist() == counts
+    assert slots.valid.tolist() == [k < num_local for k in key]
+    assert slots.local_expert.tolist() == [k if k < num_local else -1 for k in key]
+    assert slots.slot.tolist() == slot
     # ids past the local experts without a map are not local either
     pairs = sorted_pairs(torch.tensor([[0, 5]], dtype=torch.int32), 4)
-    assert pairs.valid.tolist() == [True, False] and pairs.offsets.tolist() == [1, 1, 1, 1]
+    assert pairs.key.tolist() == [0, 4] and pairs.offsets.tolist() == [1, 1, 1, 1]
 
 
 def test_without_free_host_reads_no_shortcut_reads_the_host(monkeypatch):

@@ -20,7 +20,9 @@ from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: 
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
 from moe_compile.ops.config import Activation, ExpertsConfig  # noqa: E402
 
-from test_triton_experts import ACTS, CUDA, DEV, DTYPE, _assert_close, _reference, _routing, _weights  # noqa: E402
+from test_triton_experts import (  # noqa: E402
+    ACTS, CUDA, DEV, DTYPE, _assert_close, _problem, _reference, _routing, _weights,
+)
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 SMALL = GemmConfig(block_m=16, block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=1)
@@ -62,10 +64,7 @@ def test_decode_with_expert_map_bias_and_ragged_blocks(bias, hf_layout):
 
 def test_decode_finish_launch_matches_ticket():
     """``finish="launch"`` (a second kernel writes the rows) gives the ticket path's result."""
-    gen = torch.Generator().manual_seed(14)
-    weights = _weights(6, 48, 32, Activation.SILU, hf_layout=True, bias=True, gen=gen)
-    x = torch.randn(3, 48, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(3, 6, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(6, 48, 32, 3, 2, seed=14, bias=True)
     args = (x, topk_w, topk_ids, weights.w13, weights.w2, ExpertsConfig())
     kw = dict(w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, block_i=16, block_k=16, block_n=16, num_stages=1)
     launch = decode_experts(*args, torch.empty_like(x), finish="launch", **kw)
@@ -95,10 +94,7 @@ def test_decode_token_without_local_experts_is_zero_and_calls_repeat():
 def test_decode_tma_loads_match_pointer_loads(bias):
     """HF-layout weights whose halves the blocks tile take TMA descriptors; the result is the
     pointer-load path's. Other layouts or ragged blocks get none (pointer loads run)."""
-    gen = torch.Generator().manual_seed(12)
-    weights = _weights(4, 64, 32, Activation.SILU, hf_layout=True, bias=bias, gen=gen)
-    x = torch.randn(2, 64, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(2, 4, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(4, 64, 32, 2, 2, seed=12, bias=bias)
     assert _descriptors(weights.w13, weights.w2, 16, 16, 16, interleaved=False, inter=32) is not None
     kw = dict(w13_bias=weights.w13_bias, w2_bias=weights.w2_bias, block_i=16, block_k=16, block_n=16, num_stages=1)
     args = (x, topk_w, topk_ids, weights.w13, weights.w2, ExpertsConfig())
@@ -108,7 +104,7 @@ def test_decode_tma_loads_match_pointer_loads(bias):
     _assert_close(tma, _reference(x, topk_w, topk_ids, weights, ExpertsConfig()))
     assert _descriptors(weights.w13, weights.w2, 64, 16, 16, interleaved=False, inter=32) is None  # I % block_i
     assert _descriptors(weights.w13, weights.w2, 16, 16, 16, interleaved=True, inter=32) is None
-    eh = _weights(4, 64, 32, Activation.SILU, hf_layout=False, bias=False, gen=gen)
+    eh = _weights(4, 64, 32, Activation.SILU, hf_layout=False, bias=False, gen=torch.Generator().manual_seed(12))
     assert _descriptors(eh.w13, eh.w2, 16, 16, 16, interleaved=False, inter=32) is None
 
 
@@ -137,10 +133,7 @@ def test_decode_matches_the_reference_on_random_problems(tokens, experts, top_k,
 
 
 def test_decode_unweighted_sum_and_reference():
-    gen = torch.Generator().manual_seed(4)
-    weights = _weights(6, 32, 16, Activation.SILU, hf_layout=True, bias=True, gen=gen)
-    x = torch.randn(2, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(2, 6, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(6, 32, 16, 2, 2, seed=4, bias=True)
     out = fused_experts(x, topk_w, topk_ids, weights, plan=DECODE, weighted=False)
     _assert_close(out, _reference(x, torch.ones_like(topk_w), topk_ids, weights, ExpertsConfig()))
     ref = decode_experts_reference(x, topk_w, topk_ids, weights.w13, weights.w2, ExpertsConfig(),
@@ -149,10 +142,7 @@ def test_decode_unweighted_sum_and_reference():
 
 
 def test_bad_inputs_raise_naming_them():
-    gen = torch.Generator().manual_seed(6)
-    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(2, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(2, 4, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(4, 32, 16, 2, 2, seed=6)
     args = (weights.w13, weights.w2, ExpertsConfig())
     with pytest.raises(TypeError, match="topk_weights must be contiguous fp32"):
         decode_experts(x, topk_w.double(), topk_ids, *args, torch.empty_like(x))
@@ -175,10 +165,7 @@ def test_bad_inputs_raise_naming_them():
                          ids=["qwen3-1", "qwen3-4", "mixtral-1", "dsv3-dims-1"])
 @pytest.mark.parametrize("tma", [0, 1], ids=["ptr", "tma"])
 def test_cuda_decode_at_decode_shapes(experts, top_k, hidden, inter, tokens, tma):
-    gen = torch.Generator().manual_seed(tokens)
-    weights = _weights(experts, hidden, inter, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(tokens, experts, top_k, gen)
+    weights, x, topk_w, topk_ids = _problem(experts, hidden, inter, tokens, top_k, seed=tokens)
     plan = Plan(ExpertsPath.DECODE, GemmConfig(block_n=32, block_k=128, num_warps=4, num_stages=3, tma=tma),
                 GemmConfig(block_n=128))
     out = fused_experts(x, topk_w, topk_ids, weights, plan=plan)
@@ -194,10 +181,7 @@ def test_cuda_decode_at_decode_shapes(experts, top_k, hidden, inter, tokens, tma
 def test_cuda_decode_in_a_cuda_graph():
     """Captured once, replayed with new routings: each replay matches eager, and the workspace
     is clean after every replay."""
-    gen = torch.Generator().manual_seed(9)
-    weights = _weights(128, 2048, 768, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(1, 2048, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(1, 128, 8, gen)
+    weights, x, topk_w, topk_ids = _problem(128, 2048, 768, 1, 8, seed=9)
     plan = Plan(ExpertsPath.DECODE, GemmConfig(block_n=32, block_k=128), GemmConfig(block_n=128))
     out = torch.empty_like(x)
     fused_experts(x, topk_w, topk_ids, weights, out=out, plan=plan)
@@ -224,10 +208,7 @@ def test_cuda_decode_repeated_calls_agree(experts, top_k, hidden, inter, tokens,
     """The tickets and the fences: 40 calls (1536 / 512 programs racing on the rows) each match the
     reference; a row written before another program's atomics landed would be off by a slice's
     share, in that call or (the late atomics left in the workspace) the next."""
-    gen = torch.Generator().manual_seed(13)
-    weights = _weights(experts, hidden, inter, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(tokens, experts, top_k, gen)
+    weights, x, topk_w, topk_ids = _problem(experts, hidden, inter, tokens, top_k, seed=13)
     ref = decode_experts_reference(x, topk_w, topk_ids, weights.w13, weights.w2, ExpertsConfig())
     block_i, block_k, block_n = blocks
     errs = []

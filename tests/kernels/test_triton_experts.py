@@ -53,6 +53,14 @@ def _routing(tokens, num_experts, top_k, gen):
     return weights.to(DEV), ids.int().to(DEV)
 
 
+def _problem(num_experts, hidden, inter, tokens, top_k, *, seed, act=Activation.SILU, hf_layout=True, bias=False):
+    """``(weights, x, topk_w, topk_ids)`` drawn in that order from one generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = _weights(num_experts, hidden, inter, act, hf_layout=hf_layout, bias=bias, gen=gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
+    return (weights, x, *_routing(tokens, num_experts, top_k, gen))
+
+
 def _reference(x, topk_w, topk_ids, weights, cfg, expert_map=None, global_experts=None):
     up = lambda t: None if t is None else t.float()  # noqa: E731
     w32 = ExpertWeights(up(weights.w13), up(weights.w2), up(weights.w13_bias), up(weights.w2_bias))
@@ -107,10 +115,7 @@ def test_fused_experts_expert_map(path):
 
 def test_triton_experts_in_modular_kernel_unweighted_input():
     """Llama-4 style: the weight scaled the input in prepare, so the experts sum unweighted."""
-    gen = torch.Generator().manual_seed(5)
-    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=False, bias=False, gen=gen)
-    x = torch.randn(10, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(10, 4, 1, gen)
+    weights, x, topk_w, topk_ids = _problem(4, 32, 16, 10, 1, seed=5, hf_layout=False)
     kernel = ModularKernel(StandardPrepareAndFinalize(), TritonExperts(ExpertsConfig()))
     out = kernel(x, topk_w, topk_ids, weights, global_num_experts=4, apply_router_weight_on_input=True)
     ref_kernel = ModularKernel(StandardPrepareAndFinalize(), ReferenceExperts(ExpertsConfig()))
@@ -153,10 +158,7 @@ def test_combine_matches_reference():
 
 
 def test_bad_inputs_raise():
-    gen = torch.Generator().manual_seed(1)
-    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=False, bias=False, gen=gen)
-    x = torch.randn(3, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(3, 4, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(4, 32, 16, 3, 2, seed=1, hf_layout=False)
     with pytest.raises(ValueError, match="topk_ids"):
         fused_experts(x, topk_w, topk_ids[:2], weights)
     with pytest.raises(ValueError, match="one of pos"):

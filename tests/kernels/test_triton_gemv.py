@@ -15,7 +15,7 @@ from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
 from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported  # noqa: E402
 from moe_compile.ops.config import Activation, ExpertsConfig  # noqa: E402
 
-from test_triton_experts import CUDA, DEV, DTYPE, _assert_close, _reference, _routing, _weights  # noqa: E402
+from test_triton_experts import CUDA, DEV, DTYPE, _assert_close, _problem, _reference, _routing, _weights  # noqa: E402
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 SMALL = GemmConfig(block_m=1, block_n=8, block_k=16, group_m=1, num_warps=4, num_stages=1)
@@ -41,10 +41,7 @@ def test_gemv_with_expert_map_bias_and_ragged_blocks(bias, interleaved):
 
 def test_gemv_unweighted_sum():
     """``weighted=False`` (the weight was applied to the input): the k rows are summed as they are."""
-    gen = torch.Generator().manual_seed(4)
-    weights = _weights(6, 32, 16, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(2, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(2, 6, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(6, 32, 16, 2, 2, seed=4)
     out = fused_experts(x, topk_w, topk_ids, weights, plan=GEMV, weighted=False)
     ref = _reference(x, torch.ones_like(topk_w), topk_ids, weights, ExpertsConfig())
     _assert_close(out, ref)
@@ -66,10 +63,7 @@ def test_weights_with_a_strided_reduction_axis_take_the_gemm_paths():
 
 
 def test_bad_inputs_raise_naming_them():
-    gen = torch.Generator().manual_seed(6)
-    weights = _weights(4, 32, 16, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(2, 32, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(2, 4, 2, gen)
+    weights, x, topk_w, topk_ids = _problem(4, 32, 16, 2, 2, seed=6)
     args = (weights.w13, weights.w2, ExpertsConfig())
     with pytest.raises(TypeError, match="topk_weights must be contiguous fp32"):
         gemv_experts(x, topk_w.double(), topk_ids, *args, torch.empty_like(x))
@@ -82,10 +76,7 @@ def test_bad_inputs_raise_naming_them():
                                                                 (8, 2, 4096, 14336, 1)], ids=["qwen3-1", "qwen3-4",
                                                                                               "mixtral-1"])
 def test_cuda_gemv_at_decode_shapes(experts, top_k, hidden, inter, tokens):
-    gen = torch.Generator().manual_seed(tokens)
-    weights = _weights(experts, hidden, inter, Activation.SILU, hf_layout=True, bias=False, gen=gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(DEV, DTYPE)
-    topk_w, topk_ids = _routing(tokens, experts, top_k, gen)
+    weights, x, topk_w, topk_ids = _problem(experts, hidden, inter, tokens, top_k, seed=tokens)
     plan = Plan(ExpertsPath.GEMV, GemmConfig(block_n=16, block_k=256), GemmConfig(block_n=16, block_k=256))
     out = fused_experts(x, topk_w, topk_ids, weights, plan=plan)
     _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig()))

@@ -21,21 +21,19 @@ def _args(**spec):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Each implementation call, marked 'op' when the custom op's registered function called it."""
+    """Each run of the op's body, marked 'op' when torch.library's dispatch called it."""
     seen = []
+    real = custom_op._run
 
-    def spy(real):
-        def run(*args, **kwargs):
-            frame, inside = sys._getframe(1), False
-            while frame is not None and not inside:
-                inside = frame.f_code.co_name in ("fused_moe_op", "fused_experts_op")
-                frame = frame.f_back
-            seen.append("op" if inside else "direct")
-            return real(*args, **kwargs)
-        return run
+    def spy(cfg, inputs):
+        frame, inside = sys._getframe(1), False
+        while frame is not None and not inside:
+            inside = "torch/_library" in frame.f_code.co_filename.replace("\\", "/")
+            frame = frame.f_back
+        seen.append("op" if inside else "direct")
+        return real(cfg, inputs)
 
-    monkeypatch.setattr(custom_op, "fused_moe_impl", spy(custom_op.fused_moe_impl))
-    monkeypatch.setattr(custom_op, "fused_experts_impl", spy(custom_op.fused_experts_impl))
+    monkeypatch.setattr(custom_op, "_run", spy)
     return seen
 
 
