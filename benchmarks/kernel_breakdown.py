@@ -1,6 +1,6 @@
 """Where the time of one fused_experts call goes, kernel by kernel (CUDA, diagnostic).
 
-    python benchmarks/kernel_breakdown.py [--points qwen3:1 qwen3:2048 deepseek_v3:2048] [--layer] [--no-pdl]
+    python benchmarks/kernel_breakdown.py [--points qwen3:1 qwen3:2048 deepseek_v3:2048] [--layer] [--no-pdl] [--timeline]
 
 For each ``shape:M`` point: the tuned plan, the weights in HF layout (transposed views), routing of
 random logits (as ``tune_triton.py`` does), one CUDA graph over ``ROTATE`` calls profiled with
@@ -29,7 +29,38 @@ from tune_triton import hf_layout_weights, problem  # noqa: E402
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
 
 
-def breakdown(name: str, m: int, reps: int = 5, layer: bool = False) -> None:
+def _kernel_intervals(prof) -> list[tuple[float, float, str]]:
+    """``(start_us, end_us, name)`` of every GPU kernel or memory op the profiler recorded."""
+    out = []
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.time_range.end > evt.time_range.start:
+            out.append((float(evt.time_range.start), float(evt.time_range.end), evt.name))
+    return out
+
+
+def idle_gaps(intervals) -> tuple[float, float, list[tuple[float, str, str]]]:
+    """``(span, covered, gaps)`` of possibly overlapping ``(start, end, name)`` intervals: the time
+    from the first start to the last end, the time some interval covers, and each stretch no interval
+    covers as ``(length, name of the interval that ended it, name of the one that starts after)``,
+    longest first."""
+    if not intervals:
+        return 0.0, 0.0, []
+    intervals = sorted(intervals)
+    covered, gaps = 0.0, []
+    cur_start, cur_end, cur_name = intervals[0]
+    for start, end, name in intervals[1:]:
+        if start > cur_end:
+            covered += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start, cur_end, cur_name = start, end, name
+        elif end > cur_end:
+            cur_end, cur_name = end, name
+    covered += cur_end - cur_start
+    span = cur_end - intervals[0][0]
+    return span, covered, sorted(gaps, key=lambda g: -g[0])
+
+
+def breakdown(name: str, m: int, reps: int = 5, layer: bool = False, timeline: bool = False) -> None:
     shape = SHAPES[name]
     if layer:  # the whole layer as bench_moe_layer times it: router linear + fused_moe
         from bench_moe_layer import build_hf_block, our_layer
@@ -87,6 +118,13 @@ def breakdown(name: str, m: int, reps: int = 5, layer: bool = False) -> None:
           f"{replay_us:.1f} us per call ({rest})")
     for key, us in per_call.most_common():
         print(f"  {us:9.1f} us  {100 * us / total:5.1f}%  {key}")
+    if timeline:
+        span, covered, gaps = idle_gaps(_kernel_intervals(prof))
+        n_calls = reps * ROTATE
+        print(f"  timeline of the profiled replays: first kernel start to last kernel end {span / n_calls:.1f} us "
+              f"per call, some kernel running {covered / n_calls:.1f} us, none running {(span - covered) / n_calls:.1f} us")
+        for gap, before, after in gaps[:5]:
+            print(f"    gap {gap:8.1f} us  after {before[:40]}  before {after[:40]}")
     del weights, calls, graph
     torch.cuda.empty_cache()
 
@@ -106,12 +144,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layer", action="store_true",
                         help="profile the whole layer (router linear + fused_moe on an HF block's weights)")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also the profiled replays' timeline: time with no kernel running, and the longest gaps")
     args = parser.parse_args(argv)
     if args.no_pdl:
         from moe_compile.kernels.triton import pdl
         pdl.FORCE = False
     for name, m in args.points:
-        breakdown(name, m, layer=args.layer)
+        breakdown(name, m, layer=args.layer, timeline=args.timeline)
     return 0
 
 
