@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch  # noqa: E402
 
 # CHUNK elements per program (a power of two that divides every shape's expert slices), BLOCK per load
-LAUNCHES = [(chunk, block, warps) for chunk in (1 << 15, 1 << 16, 1 << 17) for block, warps in
+LAUNCHES = [(chunk, block, warps) for chunk in (1 << 13, 1 << 14, 1 << 15, 1 << 16, 1 << 17) for block, warps in
             ((2048, 4), (4096, 8), (8192, 8))]
 
 

@@ -1,0 +1,157 @@
+"""Clock and power under sustained load: our layer against cuBLAS's dense GEMMs of the same sizes.
+
+    python benchmarks/probe_power.py [--points mixtral:2048 qwen3:8192 deepseek_v3:8192] [--seconds 3] [--out DIR]
+
+``bench_moe_layer.py`` times each column for a second or more. At the compute-bound points the
+H200 reaches its power limit within that time and lowers its SM clock, so the time a column gets
+depends on how much power its kernels draw per FLOP as well as on how many clocks they take.
+This replays each workload's CUDA graph back to back for ``--seconds`` after a second of rest,
+ours and cuBLAS alternately, twice each, with ``nvidia-smi`` sampling the SM clock, the power and
+the clock-limit reasons every 50 ms. Per window it prints the time per call and TFLOP/s in the
+first 0.3 s and in the last second, the mean SM clock and power in each, and TFLOP/s per GHz of SM
+clock, which takes the clock out: what the kernels do per clock.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
+
+
+def parse_smi(text: str) -> list[tuple[float, float, float, int]]:
+    """``(unix time, SM MHz, watts, limit reasons)`` per ``nvidia-smi --format=csv,noheader,nounits`` line."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            out.append((when, float(parts[1]), float(parts[2]), int(parts[3], 16)))
+        except ValueError:
+            continue
+    return out
+
+
+def window_stats(samples, replays, start: float, end: float) -> dict:
+    """Mean SM clock, power and the OR of the limit reasons of ``samples`` in ``[start, end)``, and
+    the median time per replay of ``replays`` (``(unix time at its end, us)``) in it."""
+    s = [x for x in samples if start <= x[0] < end]
+    r = [us for when, us in replays if start <= when < end]
+    reasons = 0
+    for x in s:
+        reasons |= x[3]
+    return {"mhz": statistics.mean(x[1] for x in s) if s else float("nan"),
+            "watts": statistics.mean(x[2] for x in s) if s else float("nan"),
+            "reasons": hex(reasons), "samples": len(s), "replays": len(r),
+            "replay_us": statistics.median(r) if r else float("nan")}
+
+
+def sustained(graph, seconds: float) -> list[tuple[float, float]]:
+    """Replays ``graph`` back to back for ``seconds``: ``(unix time at each replay's end, its us)``,
+    at most four replays queued ahead of the GPU."""
+    events = [torch.cuda.Event(enable_timing=True)]
+    torch.cuda.synchronize()
+    t0 = time.time()
+    events[0].record()
+    while time.time() - t0 < seconds:
+        graph.replay()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        events.append(ev)
+        if len(events) > 5:
+            events[-5].synchronize()
+    torch.cuda.synchronize()
+    out, base = [], events[0]
+    for prev, ev in zip(events, events[1:]):
+        out.append((t0 + base.elapsed_time(ev) / 1e3, prev.elapsed_time(ev) * 1e3))
+    return out
+
+
+def probe(name: str, m: int, seconds: float, smi_path: Path) -> list[dict]:
+    import bench_moe_layer as bench
+
+    shape = bench.SHAPES[name]
+    block = bench.build_hf_block(shape)
+    ours = bench.our_layer(block, shape)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    inputs = [torch.randn(m, shape.hidden, device="cuda", generator=gen).bfloat16() for _ in range(bench.ROTATE)]
+    flops_per_call = 6 * m * shape.top_k * shape.hidden * shape.inter
+    with torch.no_grad():
+        graphs = {"ours": bench.capture_graph(ours, inputs)[0],
+                  "cublas_dense": bench.capture_graph(bench.dense_gemms(block, shape, m, gen), inputs)[0]}
+        for g in graphs.values():  # compile and warm up before the windows
+            g.replay()
+        torch.cuda.synchronize()
+        windows = []
+        for rnd in range(2):
+            for what, graph in graphs.items():
+                time.sleep(1.0)
+                replays = sustained(graph, seconds)
+                windows.append((what, rnd, replays))
+    time.sleep(0.2)  # let nvidia-smi write the last samples
+    samples = parse_smi(smi_path.read_text())
+    rows = []
+    for what, rnd, replays in windows:
+        start, end = replays[0][0], replays[-1][0]
+        row = {"shape": name, "M": m, "what": what, "round": rnd,
+               "first": window_stats(samples, replays, start - 0.05, start + 0.3),
+               "last": window_stats(samples, replays, end - 1.0, end + 0.01)}
+        for part in ("first", "last"):
+            w = row[part]
+            w["tflops"] = flops_per_call * bench.ROTATE / (w["replay_us"] * 1e-6) / 1e12
+            w["tflops_per_ghz"] = w["tflops"] / (w["mhz"] / 1e3)
+        rows.append(row)
+    del graphs, block, ours
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    import bench_moe_layer as bench
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--points", nargs="+", type=bench.point,
+                        default=[("mixtral", 2048), ("qwen3", 8192), ("deepseek_v3", 8192)])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--out", default=None, help="write power.json here")
+    args = parser.parse_args(argv)
+    if not bench.cuda_or_say("probe_power.py"):
+        return 0
+    smi_path = Path(tempfile.mkdtemp()) / "smi.csv"
+    with open(smi_path, "w") as f:
+        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
+                                "-lms", "50", "-i", str(torch.cuda.current_device())], stdout=f)
+    rows = []
+    try:
+        print(f"{'point':<18}{'what':<14}{'rnd':>4} | {'first 0.3 s: us/call':>20}{'MHz':>6}{'W':>5}{'TF/s':>6}"
+              f"{'TF/GHz':>7} | {'last 1 s: us/call':>18}{'MHz':>6}{'W':>5}{'TF/s':>6}{'TF/GHz':>7}  reasons")
+        for name, m in args.points:
+            for r in probe(name, m, args.seconds, smi_path):
+                rows.append(r)
+                f, la = r["first"], r["last"]
+                print(f"{name + ':' + str(m):<18}{r['what']:<14}{r['round']:>4} | "
+                      f"{f['replay_us'] / bench.ROTATE:20.1f}{f['mhz']:6.0f}{f['watts']:5.0f}{f['tflops']:6.0f}"
+                      f"{f['tflops_per_ghz']:7.0f} | {la['replay_us'] / bench.ROTATE:18.1f}{la['mhz']:6.0f}"
+                      f"{la['watts']:5.0f}{la['tflops']:6.0f}{la['tflops_per_ghz']:7.0f}  {la['reasons']}", flush=True)
+    finally:
+        smi.terminate()
+    bench.write_json(args.out, "power.json", {"device": torch.cuda.get_device_name(), "seconds": args.seconds,
+                                              "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
