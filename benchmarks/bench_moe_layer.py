@@ -21,6 +21,11 @@ rotated inputs. Prints a table, writes ``moe_layer.json`` and ``moe_layer.png`` 
 Where FLOPs set the bound, a *dense* column times cuBLAS doing the experts' two GEMMs as plain
 dense GEMMs of the same sizes (``[M*k, H] @ [H, 2I]`` and ``[M*k, I] @ [I, H]``, nothing else):
 what the bound's 790 TFLOP/s looks like in practice for these shapes, measured in the same run.
+
+``MHz``: the mean SM clock while ours was timed (``nvidia-smi`` every 50 ms; the JSON also has the
+power and the clock-limit reasons, for the dense column too). At the compute-bound points the H200
+reaches its 700 W limit and clocks down (``probe_power.py``), so these columns drift with how long
+the GPU has been under load.
 """
 from __future__ import annotations
 
@@ -36,6 +41,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_clock import ClockSampler  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOP_PER_S = 790e12
@@ -267,7 +275,17 @@ def compute_bound(shape: Shape, m: int) -> bool:
     return flops / BF16_FLOP_PER_S > weight_bytes / HBM_BYTES_PER_S
 
 
-def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True) -> list[dict]:
+def _timed(row: dict, key: str, clock, fn, *args) -> None:
+    """``row[key] = fn(*args)``, and ``row[key + "_clock"]`` the SM clock / power it ran at (``clock``
+    a ``gpu_clock.ClockSampler``; nothing when it has no samples)."""
+    t0 = time.time()
+    row[key] = fn(*args)
+    stats = clock.window(t0, time.time()) if clock is not None else None
+    if stats is not None:
+        row[key + "_clock"] = {k: stats[k] for k in ("mhz", "watts", "reasons", "samples")}
+
+
+def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True, clock=None) -> list[dict]:
     block = build_hf_block(shape)
     ours = our_layer(block, shape)
     hf = torch.compile(hf_routed(block, shape), dynamic=True) if with_hf else None
@@ -279,9 +297,9 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True) ->
             row = {"shape": shape.name, "M": m}
             row["bound_us"], row["experts_hit"] = bound_us(block, shape, inputs)
             out = ours(inputs[0])
-            row["ours_us"] = graph_time_us(ours, inputs, reps)
+            _timed(row, "ours_us", clock, graph_time_us, ours, inputs, reps)
             if dense and compute_bound(shape, m):
-                row["dense_us"] = graph_time_us(dense_gemms(block, shape, m, gen), inputs, reps)
+                _timed(row, "dense_us", clock, graph_time_us, dense_gemms(block, shape, m, gen), inputs, reps)
             if hf is not None:
                 t0 = time.perf_counter()
                 ref = hf(inputs[0])
@@ -306,7 +324,7 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True) ->
 
 
 HEADER = (f"{'shape':<12}{'M':>6}{'hit':>6}{'bound us':>10}{'ours us':>10}{'ours/bd':>9}{'hf us':>10}"
-          f"{'hf/bd':>8}{'vllm/bd':>9}{'dense/bd':>9}{'target':>8}{'err':>9}")
+          f"{'hf/bd':>8}{'vllm/bd':>9}{'dense/bd':>9}{'target':>8}{'err':>9}{'MHz':>6}")
 
 
 def format_row(r: dict) -> str:
@@ -315,7 +333,7 @@ def format_row(r: dict) -> str:
     return (f"{r['shape']:<12}{r['M']:>6}{r['experts_hit']:>6.1f}{r['bound_us']:>10.1f}{r['ours_us']:>10.1f}"
             f"{r['ours_ratio']:>9.2f}{f('hf_us', '.1f'):>10}{f('hf_ratio', '.2f'):>8}"
             f"{f('vllm_ratio_issue', '.2f'):>9}{f('dense_ratio', '.2f'):>9}{r['target']:>8.2f}"
-            f"{f('rel_err_vs_hf', '.1e'):>9}")
+            f"{f('rel_err_vs_hf', '.1e'):>9}{format(r['ours_us_clock']['mhz'], '.0f') if 'ours_us_clock' in r else '-':>6}")
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -375,10 +393,11 @@ def main(argv=None) -> int:
             "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flop_per_s": BF16_FLOP_PER_S, "argv": sys.argv,
             "pdl": pdl.pdl_enabled(torch.device("cuda")), "align_method": args.align_method or "default"}
     rows = []
-    for name in args.shapes:
-        rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense)
-        with open(out / "moe_layer.json", "w") as f:  # after each shape, so a cut-short run keeps its rows
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with ClockSampler(torch.cuda.current_device()) as clock:
+        for name in args.shapes:
+            rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense, clock)
+            with open(out / "moe_layer.json", "w") as f:  # after each shape, so a cut-short run keeps its rows
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n" + HEADER)
     for r in rows:
         print(format_row(r))

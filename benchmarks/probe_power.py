@@ -14,11 +14,7 @@ clock, which takes the clock out: what the kernels do per clock.
 from __future__ import annotations
 
 import argparse
-import datetime
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,37 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
-
-
-def parse_smi(text: str) -> list[tuple[float, float, float, int]]:
-    """``(unix time, SM MHz, watts, limit reasons)`` per ``nvidia-smi --format=csv,noheader,nounits`` line."""
-    out = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 4:
-            continue
-        try:
-            when = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            out.append((when, float(parts[1]), float(parts[2]), int(parts[3], 16)))
-        except ValueError:
-            continue
-    return out
-
-
-def window_stats(samples, replays, start: float, end: float) -> dict:
-    """Mean SM clock, power and the OR of the limit reasons of ``samples`` in ``[start, end)``, and
-    the median time per replay of ``replays`` (``(unix time at its end, us)``) in it."""
-    s = [x for x in samples if start <= x[0] < end]
-    r = [us for when, us in replays if start <= when < end]
-    reasons = 0
-    for x in s:
-        reasons |= x[3]
-    return {"mhz": statistics.mean(x[1] for x in s) if s else float("nan"),
-            "watts": statistics.mean(x[2] for x in s) if s else float("nan"),
-            "reasons": hex(reasons), "samples": len(s), "replays": len(r),
-            "replay_us": statistics.median(r) if r else float("nan")}
-
+from gpu_clock import ClockSampler, window_stats  # noqa: E402
 
 def sustained(graph, seconds: float) -> list[tuple[float, float]]:
     """Replays ``graph`` back to back for ``seconds``: ``(unix time at each replay's end, its us)``,
@@ -80,7 +46,7 @@ def sustained(graph, seconds: float) -> list[tuple[float, float]]:
     return out
 
 
-def probe(name: str, m: int, seconds: float, smi_path: Path) -> list[dict]:
+def probe(name: str, m: int, seconds: float, clock: ClockSampler) -> list[dict]:
     import bench_moe_layer as bench
 
     shape = bench.SHAPES[name]
@@ -101,13 +67,12 @@ def probe(name: str, m: int, seconds: float, smi_path: Path) -> list[dict]:
                 time.sleep(1.0)
                 replays = sustained(graph, seconds)
                 windows.append((what, rnd, replays))
-    time.sleep(0.2)  # let nvidia-smi write the last samples
-    samples = parse_smi(smi_path.read_text())
+    samples = clock.samples()
     rows = []
     for what, rnd, replays in windows:
         start, end = replays[0][0], replays[-1][0]
         row = {"shape": name, "M": m, "what": what, "round": rnd,
-               "first": window_stats(samples, replays, start - 0.05, start + 0.3),
+               "first": window_stats(samples, replays, start, start + 0.3),
                "last": window_stats(samples, replays, end - 1.0, end + 0.01)}
         for part in ("first", "last"):
             w = row[part]
@@ -130,24 +95,18 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not bench.cuda_or_say("probe_power.py"):
         return 0
-    smi_path = Path(tempfile.mkdtemp()) / "smi.csv"
-    with open(smi_path, "w") as f:
-        smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits",
-                                "-lms", "50", "-i", str(torch.cuda.current_device())], stdout=f)
     rows = []
-    try:
+    with ClockSampler(torch.cuda.current_device()) as clock:
         print(f"{'point':<18}{'what':<14}{'rnd':>4} | {'first 0.3 s: us/call':>20}{'MHz':>6}{'W':>5}{'TF/s':>6}"
               f"{'TF/GHz':>7} | {'last 1 s: us/call':>18}{'MHz':>6}{'W':>5}{'TF/s':>6}{'TF/GHz':>7}  reasons")
         for name, m in args.points:
-            for r in probe(name, m, args.seconds, smi_path):
+            for r in probe(name, m, args.seconds, clock):
                 rows.append(r)
                 f, la = r["first"], r["last"]
                 print(f"{name + ':' + str(m):<18}{r['what']:<14}{r['round']:>4} | "
                       f"{f['replay_us'] / bench.ROTATE:20.1f}{f['mhz']:6.0f}{f['watts']:5.0f}{f['tflops']:6.0f}"
                       f"{f['tflops_per_ghz']:7.0f} | {la['replay_us'] / bench.ROTATE:18.1f}{la['mhz']:6.0f}"
                       f"{la['watts']:5.0f}{la['tflops']:6.0f}{la['tflops_per_ghz']:7.0f}  {la['reasons']}", flush=True)
-    finally:
-        smi.terminate()
     bench.write_json(args.out, "power.json", {"device": torch.cuda.get_device_name(), "seconds": args.seconds,
                                               "rows": rows})
     return 0
