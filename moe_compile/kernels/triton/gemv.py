@@ -134,7 +134,7 @@ def gemv_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
     if not ok:
         raise ValueError(f"gemv_experts: {reason}.")
     num_tokens, top_k = topk_ids.shape
-    num_local, hidden, n13 = w13.shape
+    _, hidden, n13 = w13.shape
     if topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous() or topk_ids.dtype != torch.int32:
         raise TypeError(f"gemv_experts: topk_weights must be contiguous fp32 and topk_ids int32, but got "
                         f"{topk_weights.dtype} and {topk_ids.dtype}.")
@@ -142,31 +142,59 @@ def gemv_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
         raise ValueError(f"gemv_experts: x and out must be [{num_tokens}, {hidden}] with contiguous rows, but got "
                          f"x {tuple(x.shape)} strides {x.stride()} and out {tuple(out.shape)} strides {out.stride()}.")
     inter = intermediate_size(n13, config.activation)
-    pairs = num_tokens * top_k
-    if pairs == 0:
+    if num_tokens * top_k == 0:
         return out
+    act = gemv_up(x, topk_ids, w13, config, inter, w13_bias=w13_bias, expert_map=expert_map, up=up)
+    return gemv_down(act, topk_weights, topk_ids, w2, out, w2_bias=w2_bias, expert_map=expert_map,
+                     weighted=weighted, down=down)
+
+
+def gemv_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, config: ExpertsConfig, inter: int, *,
+            w13_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+            up: tuple[int, int, int] = (16, 256, 4)) -> torch.Tensor:
+    """The up kernel alone: ``act [T * k, inter]`` (checked inputs, as ``gemv_experts`` takes them)."""
+    num_tokens, top_k = topk_ids.shape
+    pairs = num_tokens * top_k
     gated = config.activation.is_gated
     interleaved = gated and config.gate_up_interleaved
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    ids = topk_ids
-    emap = expert_map if expert_map is not None else ids
-    pdl = pdl_launch(x.device)
+    emap = expert_map if expert_map is not None else topk_ids
     bn, bk, warps = up
     _gemv_up_kernel[(pairs, cdiv(inter, bn))](
-        x, w13, w13_bias if w13_bias is not None else w13, ids, emap, act, hidden, inter, num_local,
+        x, w13, w13_bias if w13_bias is not None else w13, topk_ids, emap, act, w13.shape[1], inter, w13.shape[0],
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         0 if w13_bias is None else w13_bias.stride(0), 0 if w13_bias is None else w13_bias.stride(1), act.stride(0),
         1 if interleaved else inter, 2 if interleaved else 1, float(config.swiglu_alpha), float(config.swiglu_limit),
         TOP_K=top_k, HAS_MAP=expert_map is not None, HAS_BIAS=w13_bias is not None, GATED=gated,
-        ACT=act_code(config), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
+        ACT=act_code(config), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_launch(x.device))
+    return act
+
+
+def gemv_down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w2: torch.Tensor,
+              out: torch.Tensor, *, w2_bias: torch.Tensor | None = None, expert_map: torch.Tensor | None = None,
+              weighted: bool = True, down: tuple[int, int, int] = (16, 256, 4)) -> torch.Tensor:
+    """The down kernel alone, the combine fused in: ``act [T * k, I]`` (pair ``t * k + j`` is token
+    ``t``'s ``j``-th expert, any row stride), ``w2 [E, I, H]`` with ``stride(1) == 1``, fp32
+    ``topk_weights`` and int32 ``topk_ids`` ``[T, k]`` contiguous -> ``out [T, H]`` (contiguous rows)."""
+    num_tokens, top_k = topk_ids.shape
+    num_local, inter, hidden = w2.shape
+    if w2.stride(1) != 1 or act.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"gemv_down: w2's dim 1, act's and out's rows must be contiguous, but got strides "
+                         f"{w2.stride()}, {act.stride()} and {out.stride()}.")
+    if tuple(act.shape) != (num_tokens * top_k, inter) or tuple(out.shape) != (num_tokens, hidden):
+        raise ValueError(f"gemv_down: act must be [{num_tokens * top_k}, {inter}] and out [{num_tokens}, {hidden}], "
+                         f"but got {tuple(act.shape)} and {tuple(out.shape)}.")
+    if num_tokens == 0:
+        return out
+    emap = expert_map if expert_map is not None else topk_ids
     bn, bk, warps = down
     _gemv_down_kernel[(num_tokens, cdiv(hidden, bn))](
-        act, w2, w2_bias if w2_bias is not None else w2, ids, emap, topk_weights, out, inter, hidden, num_local,
+        act, w2, w2_bias if w2_bias is not None else w2, topk_ids, emap, topk_weights, out, inter, hidden, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         0 if w2_bias is None else w2_bias.stride(0), 0 if w2_bias is None else w2_bias.stride(1), out.stride(0),
         TOP_K=top_k, HAS_MAP=expert_map is not None, HAS_BIAS=w2_bias is not None, WEIGHTED=weighted,
-        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl)
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **pdl_launch(act.device))
     return out
 
 
-__all__ = ["gemv_experts", "gemv_supported"]
+__all__ = ["gemv_down", "gemv_experts", "gemv_supported", "gemv_up"]
