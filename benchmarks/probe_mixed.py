@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import ROTATE, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 from probe_gemv import hf_weights, routings  # noqa: E402
 
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
