@@ -22,7 +22,9 @@ tuned ``pairs`` plan side by side): slower at all four decode points measured --
 167.5. Triton pipelines the tensor-core path's weight loads (TMA, several stages in flight); these
 kernels' loads feed FMAs and are not pipelined, so they stream slower even though the padded MMA
 rows cost nothing there. So no tuned plan uses this path; ``probe_gemv.py --apply`` would write it
-into the tuned configs on a GPU where it wins.
+into the tuned configs on a GPU where it wins. The down kernel after the tuned ``pairs`` GEMM1
+(``benchmarks/probe_mixed.py``, seventeenth session) was not faster either: Qwen3 M = 1 28.1 vs
+24.5 us, DeepSeek-V3 M = 1 169.4 vs 163.8, Mixtral M = 1 172.1 vs 173.8.
 """
 from __future__ import annotations
 
