@@ -70,6 +70,7 @@ def build(name: str, layers: int, tiny: bool, device: str):
     cfg = make_config(name, layers, tiny)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
+    torch.manual_seed(0)  # the same random model on every run, and in check_e2e_accuracy.py
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg)
