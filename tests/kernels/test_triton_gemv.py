@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
-from moe_compile.kernels.triton.gemv import gemv_experts, gemv_supported  # noqa: E402
+from moe_compile.kernels.triton.gemv import gemv_down, gemv_experts, gemv_supported, gemv_up  # noqa: E402
 from moe_compile.ops.config import Activation, ExpertsConfig  # noqa: E402
 
 from test_triton_experts import CUDA, DEV, DTYPE, _assert_close, _problem, _reference, _routing, _weights  # noqa: E402
@@ -69,6 +69,22 @@ def test_bad_inputs_raise_naming_them():
         gemv_experts(x, topk_w.double(), topk_ids, *args, torch.empty_like(x))
     with pytest.raises(ValueError, match="out must be"):
         gemv_experts(x, topk_w, topk_ids, *args, torch.empty(2, 33, device=DEV, dtype=DTYPE))
+
+
+
+def test_up_and_down_kernels_alone():
+    """``gemv_down`` after another kernel's activations (here ``gemv_up``'s, written with a row stride
+    wider than I) gives the whole path's result; a wrong ``act`` shape or a strided row is refused."""
+    weights, x, topk_w, topk_ids = _problem(4, 32, 16, 2, 2, seed=7)
+    act = gemv_up(x, topk_ids, weights.w13, ExpertsConfig(), 16, up=(8, 16, 4))
+    wide = torch.zeros(act.shape[0], 24, device=DEV, dtype=DTYPE)
+    wide[:, :16] = act
+    out = gemv_down(wide[:, :16], topk_w, topk_ids, weights.w2, torch.empty_like(x), down=(8, 16, 4))
+    _assert_close(out, _reference(x, topk_w, topk_ids, weights, ExpertsConfig()))
+    with pytest.raises(ValueError, match=r"act must be \[4, 16\]"):
+        gemv_down(act[:3], topk_w, topk_ids, weights.w2, torch.empty_like(x))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        gemv_down(act.t().contiguous().t(), topk_w, topk_ids, weights.w2, torch.empty_like(x))
 
 
 @gpu
