@@ -230,16 +230,22 @@ def _event_time(run, reps: int) -> float:
     return statistics.median(times)
 
 
-def bound_us(block, shape: Shape, inputs) -> tuple[float, float]:
-    """(bound in us, experts hit on average) over the rotated inputs."""
+def routing_config(shape: Shape):
+    """The shape's routing as ``select_experts`` takes it."""
     from moe_compile.ops.config import RoutingConfig, RoutingMethod
-    from moe_compile.ops.routing import select_experts
 
     r = shape.routing
-    cfg = RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
-                        renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
-                        k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
-                        group_select_mode=r.get("group_select_mode", 0))
+    return RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
+                         renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
+                         k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
+                         group_select_mode=r.get("group_select_mode", 0))
+
+
+def bound_us(block, shape: Shape, inputs) -> tuple[float, float]:
+    """(bound in us, experts hit on average) over the rotated inputs."""
+    from moe_compile.ops.routing import select_experts
+
+    cfg = routing_config(shape)
     bias = getattr(block.gate, "e_score_correction_bias", None)
     per_expert = 3 * shape.hidden * shape.inter * 2
     bounds, hits = [], []

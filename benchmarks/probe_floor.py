@@ -82,7 +82,6 @@ def stream_experts(ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 def floors(name: str, m: int, reps: int) -> dict:
     import bench_moe_layer as bench
     from moe_compile.kernels.triton.routing import route
-    from moe_compile.ops.config import RoutingConfig, RoutingMethod
 
     shape = bench.SHAPES[name]
     block = bench.build_hf_block(shape)
@@ -90,11 +89,7 @@ def floors(name: str, m: int, reps: int) -> dict:
     gate_up, down = block.experts.gate_up_proj.contiguous(), block.experts.down_proj.contiguous()
     gate_w = block.gate.weight
     bias = getattr(block.gate, "e_score_correction_bias", None)
-    r = shape.routing
-    cfg = RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
-                        renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
-                        k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
-                        group_select_mode=r.get("group_select_mode", 0))
+    cfg = bench.routing_config(shape)
     router_logits = torch.ops.moe_compile.router_logits
     out_dtype = torch.float32 if gate_w.dtype == torch.float32 else torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(m)

@@ -58,16 +58,21 @@ def routings(shape, m: int, gen):
     return calls
 
 
-def point_timer(name: str, m: int, reps: int):
-    """``(tuned plan, time)`` for the decode point ``name:M``: random HF-layout weights and
-    ``ROTATE`` routings; ``time(plan)`` -> (µs per call of the experts in a CUDA graph, relative
-    Frobenius error against the tuned plan's output). The weights live as long as ``time``."""
+def decode_problem(name: str, m: int):
+    """``(shape, weights, calls, experts config, tuned plan)`` of the decode point ``name:M``:
+    random HF-layout weights and ``ROTATE`` routings, drawn from a generator seeded with ``M``."""
     shape = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(m)
     weights = hf_weights(shape, gen)
     calls = routings(shape, m, gen)
-    experts = ExpertsConfig()
-    tuned = plan_for(calls[0][0], shape.top_k, weights)
+    return shape, weights, calls, ExpertsConfig(), plan_for(calls[0][0], shape.top_k, weights)
+
+
+def point_timer(name: str, m: int, reps: int):
+    """``(tuned plan, time)`` for the decode point ``name:M``: random HF-layout weights and
+    ``ROTATE`` routings; ``time(plan)`` -> (µs per call of the experts in a CUDA graph, relative
+    Frobenius error against the tuned plan's output). The weights live as long as ``time``."""
+    _, weights, calls, experts, tuned = decode_problem(name, m)
     ref = fused_experts(*calls[0], weights, experts, plan=tuned).float()
 
     def time(plan: Plan) -> tuple[float, float]:

@@ -21,25 +21,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
-from probe_gemv import hf_weights, routings  # noqa: E402
+from bench_moe_layer import cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from probe_gemv import decode_problem  # noqa: E402
 
-from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
+from moe_compile.kernels.triton.experts import fused_experts  # noqa: E402
 from moe_compile.kernels.triton.gemm import moe_gemm  # noqa: E402
 from moe_compile.kernels.triton.gemv import gemv_down  # noqa: E402
 from moe_compile.ops.activation import intermediate_size  # noqa: E402
-from moe_compile.ops.config import ExpertsConfig  # noqa: E402
 
 DOWN = list(itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (2, 4, 8)))
 
 
 def run_point(name: str, m: int, reps: int) -> dict:
-    shape = SHAPES[name]
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    weights = hf_weights(shape, gen)
-    calls = routings(shape, m, gen)
-    experts = ExpertsConfig()
-    tuned = plan_for(calls[0][0], shape.top_k, weights)
+    shape, weights, calls, experts, tuned = decode_problem(name, m)
     inter = intermediate_size(weights.w13.shape[2], experts.activation)
 
     def tuned_fn(c):

@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import MS, ROTATE, SHAPES, graph_time_us, write_json  # noqa: E402
-from tune_triton import routing_config  # noqa: E402
+from bench_moe_layer import MS, ROTATE, SHAPES, graph_time_us, routing_config, write_json  # noqa: E402
 
 from moe_compile.kernels.triton.routing import _pow2, route, route_launch  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import MS, ROTATE, SHAPES, Shape, cuda_or_say, graph_time_us  # noqa: E402
+from bench_moe_layer import MS, ROTATE, SHAPES, Shape, cuda_or_say, graph_time_us, routing_config  # noqa: E402
 
 from moe_compile.kernels.triton.configs import (  # noqa: E402
     ExpertsPath, Plan, config_dirs, config_file_name, decode_plan, default_plan, device_key, pairs_eligible,
@@ -81,16 +81,6 @@ def candidates(per_expert: float, gemm: int, tma: bool = True) -> list[GemmConfi
     else:
         base = (LARGE1 if gemm == 1 else LARGE2) + LARGE_EXTRA
     return with_tma(base) if tma else list(base)
-
-
-def routing_config(shape: Shape):
-    from moe_compile.ops.config import RoutingConfig, RoutingMethod
-
-    r = shape.routing
-    return RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
-                         renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
-                         k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
-                         group_select_mode=r.get("group_select_mode", 0))
 
 
 def problem(shape: Shape, m: int, weights: ExpertWeights):
