@@ -34,7 +34,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,9 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_clock import ClockSampler  # noqa: E402
 
+from moe_compile.tools.cuda_timing import ROTATE, capture_graph, graph_time_us  # noqa: E402,F401
+from moe_compile.tools.cuda_timing import event_time_us as _event_time  # noqa: E402
+from moe_compile.tools.tune import Shape, routing_config  # noqa: E402,F401
+
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOP_PER_S = 790e12
-ROTATE = 8
 MS = (1, 32, 256, 2048, 8192)
 
 # ratio to the bound at M = 1 / 32 / 256 / 2048 / 8192 (issue 5, H200, CUDA graphs / inductor)
@@ -55,16 +57,6 @@ VLLM_TRITON = {"mixtral": [1.29, 1.26, 1.48, 1.81, 1.63], "qwen3": [2.36, 1.57, 
                "deepseek_v3": [1.35, 1.09, 1.17, 1.48, 2.39]}
 HF_ISSUE = {"mixtral": [4.02, 1.86, 1.76, 1.59, 1.28], "qwen3": [20.5, 2.15, 2.78, 3.29, 2.46],
             "deepseek_v3": [7.06, 1.56, 1.56, 1.70, 2.28]}
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    num_experts: int
-    top_k: int
-    hidden: int
-    inter: int
-    routing: dict = field(default_factory=dict)  # fused_moe keyword arguments
 
 
 SHAPES = {
@@ -186,59 +178,12 @@ def write_json(out_dir: str | Path | None, name: str, result) -> None:
         (Path(out_dir) / name).write_text(json.dumps(result, indent=1))
 
 
-def capture_graph(fn, inputs):
-    """``(graph, outputs)``: a CUDA graph that calls ``fn`` once on each input in turn (after one
-    warm-up pass on a side stream), and the outputs of those calls (refreshed by each replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x in inputs:
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(x) for x in inputs]
-    return graph, outs
-
-
-def graph_time_us(fn, inputs, reps: int) -> float:
-    """Median per-call time of a CUDA graph that calls ``fn`` once on each input in turn."""
-    graph, _ = capture_graph(fn, inputs)
-    return _event_time(graph.replay, reps) / len(inputs)
-
-
 def loop_time_us(fn, inputs, reps: int) -> float:
     def run():
         for x in inputs:
             fn(x)
     run()
     return _event_time(run, reps) / len(inputs)
-
-
-def _event_time(run, reps: int) -> float:
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def routing_config(shape: Shape):
-    """The shape's routing as ``select_experts`` takes it."""
-    from moe_compile.ops.config import RoutingConfig, RoutingMethod
-
-    r = shape.routing
-    return RoutingConfig(num_experts=shape.num_experts, top_k=shape.top_k, method=RoutingMethod(r["routing_method"]),
-                         renormalize=r["renormalize"], routed_scaling_factor=r.get("routed_scaling_factor", 1.0),
-                         k_group=r.get("k_group", 1), group_count=r.get("group_count", 1),
-                         group_select_mode=r.get("group_select_mode", 0))
 
 
 def bound_us(block, shape: Shape, inputs) -> tuple[float, float]:

@@ -1,4 +1,5 @@
-"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu|cuda, plan --shape E,top_k,H,I}``."""
+"""``python -m moe_compile {demo, inspect MODEL_TYPE, selfcheck --device npu|cuda, plan --shape E,top_k,H,I,
+tune --shape E,top_k,H,I}``."""
 from __future__ import annotations
 
 import argparse
@@ -124,6 +125,19 @@ def main(argv=None) -> int:
     p.add_argument("--device-key", default=None, help="a device's file key (e.g. NVIDIA_H200) instead of this GPU's")
     p.add_argument("--sm90", action="store_true", help="with --device-key: the device is sm_90 (reads the H200's files)")
     p.set_defaults(fn=plan)
+    p = sub.add_parser("tune", add_help=False,
+                       help="tune the CUDA experts' plans for a shape on this GPU (python -m moe_compile tune -h)")
+    p.set_defaults(fn=None)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "tune":  # the tuner parses its own options
+        try:
+            from moe_compile.tools.tune import main as tune_main
+        except ImportError as exc:  # no triton: the CUDA experts it tunes cannot run either
+            print(f"python -m moe_compile tune needs the CUDA extras (pip install 'moe-compile[cuda]'): {exc}",
+                  file=sys.stderr)
+            return 2
+        return tune_main(list(argv[1:]))
     args = parser.parse_args(argv)
     return args.fn(args)
 

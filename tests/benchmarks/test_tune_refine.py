@@ -1,5 +1,6 @@
-"""The tuner's refine step (``benchmarks/tune_triton.py``), with a fake timer: which variants it
-tries around a tuned plan and that it keeps the fastest plan it timed (the current one included)."""
+"""The tuner (``moe_compile.tools.tune``, run by ``python -m moe_compile tune`` and
+``benchmarks/tune_triton.py``), with a fake timer: which variants it tries around a tuned plan and
+that it keeps the fastest plan it timed (the current one included)."""
 import sys
 from pathlib import Path
 
@@ -8,7 +9,9 @@ import pytest
 pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import tune_triton as tt  # noqa: E402
+from bench_moe_layer import SHAPES  # noqa: E402
+
+import moe_compile.tools.tune as tt  # noqa: E402
 
 from moe_compile.kernels.triton.configs import ExpertsPath, Plan  # noqa: E402
 from moe_compile.kernels.triton.gemm import GemmConfig  # noqa: E402
@@ -56,7 +59,7 @@ def test_refine_keeps_the_fastest_timed_plan(winner, monkeypatch):
     monkeypatch.setattr(tt, "reference_output", lambda *args: None)
     monkeypatch.setattr(tt, "time_plan", _timer(times))
     log = []
-    us, best = tt.refine_point(tt.SHAPES["qwen3"], 2048, None, 1, log, current, session=9)
+    us, best = tt.refine_point(SHAPES["qwen3"], 2048, None, 1, log, current, session=9)
     assert us == min(times.values()) and times[best] == us
     assert best == (current if winner == "current" else fast)
     assert sum(row["current"] for row in log) == 1 and all(row["session"] == 9 for row in log)
@@ -97,13 +100,13 @@ def test_decode_batches_time_the_decode_path(monkeypatch):
     monkeypatch.setattr(tt, "reference_output", lambda *args: None)
     monkeypatch.setattr(tt, "time_plan", _timer(times))
     log = []
-    us, best = tt.tune_point(tt.SHAPES["qwen3"], 1, None, 1, log)
+    us, best = tt.tune_point(SHAPES["qwen3"], 1, None, 1, log)
     assert (us, best) == (5.0, fast)
     assert {p.path for p in times} >= {ExpertsPath.PAIRS, ExpertsPath.SORTED, ExpertsPath.DECODE}
     pairs = Plan(ExpertsPath.PAIRS, G(16, 64, 128, 1, 4, 4), G(16, 64, 128, 1, 4, 4))
     times.clear()
     times[fast] = 5.0
-    us, best = tt.refine_point(tt.SHAPES["qwen3"], 1, None, 1, [], pairs, session=15)
+    us, best = tt.refine_point(SHAPES["qwen3"], 1, None, 1, [], pairs, session=15)
     assert best == fast
     assert all(p.path is ExpertsPath.PAIRS for p in times if p.path is not ExpertsPath.DECODE)
     times.clear()
@@ -112,10 +115,10 @@ def test_decode_batches_time_the_decode_path(monkeypatch):
     assert {v.gemm2.block_n for v in variants} == {64, 128, 256}
     better = variants[-1]
     times[better] = 1.0
-    us, best = tt.refine_point(tt.SHAPES["qwen3"], 1, None, 1, [], fast, session=15)
+    us, best = tt.refine_point(SHAPES["qwen3"], 1, None, 1, [], fast, session=15)
     assert all(p.path is ExpertsPath.DECODE for p in times)
     assert best.path is ExpertsPath.DECODE and times[best] == us
     # no decode plans for a batch whose pairs share experts
     times.clear()
-    tt.tune_point(tt.SHAPES["qwen3"], 256, None, 1, [])
+    tt.tune_point(SHAPES["qwen3"], 256, None, 1, [])
     assert not any(p.path is ExpertsPath.DECODE for p in times)

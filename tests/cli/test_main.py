@@ -1,4 +1,4 @@
-"""``python -m moe_compile {demo, inspect, selfcheck, plan}``."""
+"""``python -m moe_compile {demo, inspect, selfcheck, plan, tune}``."""
 from __future__ import annotations
 
 import pytest
@@ -57,3 +57,60 @@ def test_plan_shows_tuned_borrowed_and_default_plans(capsys):
     for bad in ("64,8,2048", "8,16,2048,1024"):
         assert cli(["plan", "--shape", bad]) == 2
         assert "--shape" in capsys.readouterr().err
+
+
+def test_tune_checks_its_options_and_needs_cuda(capsys):
+    """``tune``: a shape is required and checked; without CUDA it says so instead of failing in a kernel."""
+    pytest.importorskip("triton")
+    import torch
+
+    with pytest.raises(SystemExit) as exc:
+        main(["tune"])
+    assert exc.value.code == 2 and "give at least one --shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--shape", "8,2,64"])
+    assert "--shape" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--shape", "8,2,64,32", "--ms", "0"])
+    assert "--ms must be token counts >= 1" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["tune", "--shape", "8,2,64,32"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_tune_writes_a_file_the_backend_reads(monkeypatch, tmp_path):
+    """``tune_shapes`` (with the GPU timing faked): one entry per token count, ``_top_k`` for shapes
+    that borrow, written where ``configs`` then finds it, and ``--refine`` starts from the file's plan."""
+    pytest.importorskip("triton")
+    import torch
+
+    import moe_compile.tools.tune as tt
+    from moe_compile.kernels.triton import configs
+    from moe_compile.kernels.triton.configs import ExpertsPath, Plan
+
+    G = tt.GemmConfig
+    fast = Plan(ExpertsPath.SORTED, G(64, 128, 64, 8, 4, 4, 1), G(64, 128, 64, 8, 4, 4, 1))
+    seen = []
+    monkeypatch.setattr(tt, "hf_layout_weights", lambda shape: None)
+    monkeypatch.setattr(tt, "device_key", lambda device: "cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a test device")
+    monkeypatch.setattr(tt, "tune_point", lambda shape, m, w, reps, log: (9.0, fast))
+
+    def refine(shape, m, w, reps, log, current, session):
+        seen.append((m, current))
+        return 7.5 + m, current
+    monkeypatch.setattr(tt, "refine_point", refine)
+    shape = tt.custom_shape("8,2,64,32")
+    tt.tune_shapes([shape], [4, 64], tmp_path)
+    path = tmp_path / configs.config_file_name(8, 64, 32, torch.bfloat16, "cpu")
+    table = __import__("json").loads(path.read_text())
+    assert list(table) == ["4", "64", "_note", "_top_k"] and table["_top_k"] == 2
+    assert Plan.from_dict(table["64"]) == fast and table["64"]["us"] == 71.5
+    assert "python -m moe_compile tune" in table["_note"] and "a test device" in table["_note"]
+    monkeypatch.setenv(configs.USER_DIR_ENV, str(tmp_path))
+    assert configs.choose_plan(num_tokens=64, top_k=2, num_local=8, hidden=64, inter=32, dtype=torch.bfloat16,
+                               device=torch.device("cpu")) == fast
+    seen.clear()
+    monkeypatch.setattr(tt, "tune_point", lambda *a: pytest.fail("--refine must not search again"))
+    tt.tune_shapes([shape], [64], tmp_path, refine=True)
+    assert seen == [(64, fast)]

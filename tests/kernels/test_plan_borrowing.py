@@ -55,7 +55,7 @@ def test_an_untuned_shape_borrows_the_nearest_rows_per_expert(tuned_dir):
         assert _choose(1024) == plan
     said = [m for m in messages if "no tuned plans" in m]
     assert len(said) == 1 and "E64_H2048_I1024_bf16_cpu.json" in said[0]
-    assert "tune_triton.py --shape 64,8,2048,1024" in said[0]
+    assert "python -m moe_compile tune --shape 64,8,2048,1024" in said[0]
     assert _choose(256) == Plan.from_dict(_plan("sorted", 64, 64))  # 32 rows per expert: 64 is nearer than 128
     assert _choose(64) == Plan.from_dict(_plan("sorted", 16, 32))  # 8 rows per expert: 2 is nearer than 64
     assert _choose(16) == Plan.from_dict(_plan("sorted", 16, 32))  # 2 rows per expert

@@ -1,7 +1,8 @@
 """Which path and which block sizes the CUDA experts use for a shape: tuned JSON, else a heuristic.
 
 Tuned files live beside this module in ``configs/`` (and, searched first, in
-``$MOE_COMPILE_CONFIG_DIR``) and are written by ``benchmarks/tune_triton.py``:
+``$MOE_COMPILE_CONFIG_DIR``) and are written by the tuner (``python -m moe_compile tune``,
+``moe_compile/tools/tune.py``; ``benchmarks/tune_triton.py`` wrote the shipped ones):
 ``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
 ``{"path": "pairs"|"decode"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
 stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used.
@@ -17,7 +18,7 @@ unsplit (``split_k = 1``): whether splitting K pays depends on how many tiles a 
 the SMs and how long its K is, not on its rows per expert (twelfth session: 3 K slices took
 Mixtral M = 2048's GEMM2 from 913 to 782 µs, while 2-4 slices made Qwen3's and DeepSeek-V3's
 M = 2048 GEMM2 6-97 % slower).
-``benchmarks/tune_triton.py --shape E,top_k,H,I`` tunes a shape of your own. Without any file: the
+``python -m moe_compile tune --shape E,top_k,H,I`` tunes a shape of your own on this GPU. Without any file: the
 fixed heuristic of ``default_plan``. ``python -m moe_compile plan --shape E,top_k,H,I`` prints
 which plan each token count gets and where it came from (``plan_and_source``).
 
@@ -265,9 +266,9 @@ def _untuned_plan(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
                               device=key)
         if found:
             _say_once(f"moe_compile: {why}; borrowing the plans tuned for the nearest rows per expert on {key} "
-                      f"(e.g. {found[1]}); `python benchmarks/tune_triton.py --shape "
-                      f"{num_local},{top_k},{hidden},{inter}` (from a moe_compile checkout; it writes to "
-                      f"${USER_DIR_ENV} when that is set) tunes this shape", said)
+                      f"(e.g. {found[1]}); `python -m moe_compile tune --shape "
+                      f"{num_local},{top_k},{hidden},{inter}` tunes this shape on this GPU (it writes to "
+                      f"${USER_DIR_ENV} when that is set)", said)
             return found[0], f"borrowed: {found[1]} ({why})"
     _say_once(f"moe_compile: {why} and none to borrow; using the default heuristic", said)
     return default_plan(num_tokens, top_k, num_local, hidden, inter), f"default heuristic ({why}, none to borrow)"
