@@ -363,6 +363,21 @@ def tune_shapes(shapes, ms, out: Path, *, reps: int = 10, budget_s: float = 1e9,
     return log
 
 
+def out_dir_problem(out: Path) -> str | None:
+    """Why the tuned files could not be written to ``out`` (``None`` when they can), found before any
+    GPU time is spent rather than after the first point."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return (f"cannot write tuned files to --out {str(out)!r} ({type(exc).__name__}: {exc}); pass --out DIR, "
+                f"and set MOE_COMPILE_CONFIG_DIR=DIR so the backend reads it first")
+    return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The tuner's options other than which shapes (``--shape`` here; the benchmark adds ``--shapes``)."""
     parser.add_argument("--shape", action="append", type=custom_shape, default=[],
@@ -389,10 +404,17 @@ def main(argv=None) -> int:
         parser.error("give at least one --shape E,top_k,H,I")
     if bad := [m for m in args.ms if m < 1]:
         parser.error(f"--ms must be token counts >= 1, got {bad}")
+    why = out_dir_problem(Path(args.out))
+    if why:
+        print(f"python -m moe_compile tune: {why}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("python -m moe_compile tune needs a CUDA device: it times the CUDA experts on it", file=sys.stderr)
         return 2
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    if Path(args.out).resolve() not in [d.resolve() for d in config_dirs()]:
+        print(f"note: the backend reads tuned files from {', '.join(str(d) for d in config_dirs())}; set "
+              f"MOE_COMPILE_CONFIG_DIR={args.out} for it to use these", flush=True)
     tune_shapes(args.shape, args.ms, Path(args.out), reps=args.reps, budget_s=args.budget_s, refine=args.refine,
                 session=args.session, log_path=args.log)
     return 0

@@ -78,6 +78,16 @@ def test_tune_checks_its_options_and_needs_cuda(capsys):
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_tune_refuses_an_out_dir_it_cannot_write(capsys, tmp_path):
+    """Found before any GPU time is spent: a --out under a file cannot be created."""
+    pytest.importorskip("triton")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert main(["tune", "--shape", "8,2,64,32", "--out", str(blocker / "configs")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write tuned files to --out" in err and "MOE_COMPILE_CONFIG_DIR" in err
+
+
 def test_tune_writes_a_file_the_backend_reads(monkeypatch, tmp_path):
     """``tune_shapes`` (with the GPU timing faked): one entry per token count, ``_top_k`` for shapes
     that borrow, written where ``configs`` then finds it, and ``--refine`` starts from the file's plan."""
