@@ -46,11 +46,10 @@ from gpu_clock import ClockSampler  # noqa: E402
 
 from moe_compile.tools.cuda_timing import ROTATE, capture_graph, graph_time_us  # noqa: E402,F401
 from moe_compile.tools.cuda_timing import event_time_us as _event_time  # noqa: E402
-from moe_compile.tools.tune import Shape, routing_config  # noqa: E402,F401
+from moe_compile.tools.tune import MS, Shape, routing_config  # noqa: E402,F401
 
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOP_PER_S = 790e12
-MS = (1, 32, 256, 2048, 8192)
 
 # ratio to the bound at M = 1 / 32 / 256 / 2048 / 8192 (issue 5, H200, CUDA graphs / inductor)
 VLLM_TRITON = {"mixtral": [1.29, 1.26, 1.48, 1.81, 1.63], "qwen3": [2.36, 1.57, 1.62, 2.58, 2.32],
@@ -345,6 +344,8 @@ def main(argv=None) -> int:
             "pdl": pdl.pdl_enabled(torch.device("cuda")), "align_method": args.align_method or "default"}
     rows = []
     with ClockSampler(torch.cuda.current_device()) as clock:
+        if not clock.available:
+            print("no MHz column: nvidia-smi is not on PATH, so the SM clock is not sampled", flush=True)
         for name in args.shapes:
             rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense, clock)
             with open(out / "moe_layer.json", "w") as f:  # after each shape, so a cut-short run keeps its rows

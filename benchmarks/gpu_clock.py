@@ -60,6 +60,11 @@ class ClockSampler:
         self.path = Path(tempfile.mkdtemp()) / "smi.csv"
         self._proc = self._file = None
 
+    @property
+    def available(self) -> bool:
+        """Whether ``nvidia-smi`` is sampling (inside ``with``; without it every window is ``None``)."""
+        return self._proc is not None
+
     def __enter__(self) -> "ClockSampler":
         if shutil.which("nvidia-smi"):
             self._file = open(self.path, "w")

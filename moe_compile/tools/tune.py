@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -366,8 +367,6 @@ def tune_shapes(shapes, ms, out: Path, *, reps: int = 10, budget_s: float = 1e9,
 def out_dir_problem(out: Path) -> str | None:
     """Why the tuned files could not be written to ``out`` (``None`` when they can), found before any
     GPU time is spent rather than after the first point."""
-    import tempfile
-
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out):

@@ -31,6 +31,7 @@ def test_window_stats_takes_only_the_window():
 def test_sampler_without_nvidia_smi_gives_no_window(monkeypatch):
     monkeypatch.setattr(gpu_clock.shutil, "which", lambda name: None)
     with gpu_clock.ClockSampler(0) as clock:
+        assert not clock.available
         assert clock.samples() == []
         assert clock.window(0.0, 1e12) is None
 
@@ -44,6 +45,7 @@ def test_sampler_reads_what_nvidia_smi_writes(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     t0 = datetime.datetime(2026, 11, 30, 17, 55, 4).timestamp()
     with gpu_clock.ClockSampler(0) as clock:
+        assert clock.available
         for _ in range(50):
             if len(clock.samples()) == 2:
                 break
