@@ -13,11 +13,13 @@ path; and the ``torch._grouped_mm`` path. Every plan's output is checked against
 before it is timed, so a fast wrong plan is never kept. Each point's best plan is then refined:
 timed side by side with its variants (persistent launches, the pre-gathered first GEMM,
 neighbouring tiles, short tails as smaller tiles, merged last blocks, split-K, tile orders),
-keeping the fastest. ``--refine`` does only that, from the plan already in the file.
+keeping the fastest. ``--refine`` does only that, from the plan already in the file (in ``--out``,
+else the one the backend reads: ``$MOE_COMPILE_CONFIG_DIR``'s merged over the shipped file).
 
 The fastest plan per M goes to ``E{E}_H{H}_I{I}_bf16_{device}.json`` in ``--out`` (default:
 ``$MOE_COMPILE_CONFIG_DIR`` if set, else the shipped configs directory), written after each point;
-the backend reads ``$MOE_COMPILE_CONFIG_DIR`` before the shipped files. ``benchmarks/tune_triton.py``
+the backend merges ``$MOE_COMPILE_CONFIG_DIR``'s file over the shipped one of the same name, entry
+by entry, so tuning a few batch sizes keeps the shipped plans at the others. ``benchmarks/tune_triton.py``
 runs the same tuner over the issue's named shapes.
 """
 from __future__ import annotations
@@ -33,8 +35,8 @@ from pathlib import Path
 import torch
 
 from moe_compile.kernels.triton.configs import (
-    ExpertsPath, Plan, config_dirs, config_file_name, decode_plan, default_plan, device_key, pairs_eligible,
-    parse_shape,
+    ExpertsPath, Plan, config_dirs, config_file_name, decode_plan, default_plan, device_key, merged_raw,
+    pairs_eligible, parse_shape,
 )
 from moe_compile.kernels.triton.experts import fused_experts
 from moe_compile.kernels.triton.gemm import GemmConfig
@@ -342,12 +344,14 @@ def tune_shapes(shapes, ms, out: Path, *, reps: int = 10, budget_s: float = 1e9,
         path = out / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
                                       device_key(torch.device("cuda")))
         table = json.loads(path.read_text()) if path.exists() else {}
+        read = (merged_raw(path.name) or ({}, {}))[0]  # what the backend reads for this shape now
         for m in ms:
             if time.perf_counter() - start > budget_s:
                 print(f"  budget spent: {shape.name} M={m} not tuned", flush=True)
                 continue
-            if refine and str(m) in table:
-                us, plan = refine_point(shape, m, weights, reps, log, Plan.from_dict(table[str(m)]), session)
+            current = table.get(str(m)) or read.get(str(m))
+            if refine and current:
+                us, plan = refine_point(shape, m, weights, reps, log, Plan.from_dict(current), session)
             else:  # a full search, then its best plan's variants (persistent, pre-gather, tails)
                 _, plan = tune_point(shape, m, weights, reps, log)
                 us, plan = refine_point(shape, m, weights, reps, log, plan, session)
@@ -390,8 +394,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this")
     parser.add_argument("--refine", action="store_true",
-                        help="start from each point's tuned plan and time its variants (persistent, "
-                             "pre-gathered, neighbouring tiles) side by side with it; keep the fastest")
+                        help="start from each point's tuned plan (in --out, else the one the backend reads) and "
+                             "time its variants (persistent, pre-gathered, neighbouring tiles) side by side with it; "
+                             "keep the fastest")
     parser.add_argument("--session", type=int, default=0, help="(refine) a tag for the log rows")
 
 

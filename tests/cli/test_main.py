@@ -124,3 +124,8 @@ def test_tune_writes_a_file_the_backend_reads(monkeypatch, tmp_path):
     monkeypatch.setattr(tt, "tune_point", lambda *a: pytest.fail("--refine must not search again"))
     tt.tune_shapes([shape], [64], tmp_path, refine=True)
     assert seen == [(64, fast)]
+    # --refine into another --out starts from the plan the backend reads now (the merged files)
+    seen.clear()
+    elsewhere = tmp_path / "elsewhere"
+    tt.tune_shapes([shape], [64], elsewhere, refine=True)
+    assert seen == [(64, fast)] and (elsewhere / path.name).exists()

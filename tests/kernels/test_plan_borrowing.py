@@ -162,6 +162,34 @@ def test_your_own_config_dir_is_searched_first(tuned_dir, tmp_path_factory, monk
     configs.reload()
 
 
+def test_your_own_file_is_merged_over_the_shipped_one_entry_by_entry(tuned_dir, tmp_path_factory, monkeypatch):
+    """Tuning one batch size into ``$MOE_COMPILE_CONFIG_DIR`` replaces the shipped plan at that M only:
+    the shipped entries at other M stay in use (before, the partial file hid them and M = 2048 fell
+    back to a borrowed plan), and the source names the directory an entry came from."""
+    user = tmp_path_factory.mktemp("user_configs")
+    name = "E128_H2048_I768_bf16_cpu.json"
+    (user / name).write_text(json.dumps({"_top_k": 8, "32": _plan("sorted", 32, 64)}))
+    monkeypatch.setenv(configs.USER_DIR_ENV, str(user))
+    configs.reload()
+    try:
+        def source(m):
+            return configs.plan_and_source(num_tokens=m, top_k=8, num_local=128, hidden=2048, inter=768,
+                                           dtype=torch.bfloat16, keys=("cpu",))
+        plan, where = source(32)
+        assert plan == Plan.from_dict(_plan("sorted", 32, 64)) and where == f"tuned: {name} M=32 in {user}"
+        plan, where = source(2048)
+        assert plan == Plan.from_dict(_plan("sorted", 128, 256)) and where == f"tuned: {name} M=2048"
+        merged, origin = configs.merged_raw(name)
+        assert sorted(merged) == ["2048", "32", "_top_k"]
+        assert origin["32"] == user / name and origin["2048"] == tuned_dir / name
+        # shapes that borrow see the merged entries too: 128 rows per expert finds the shipped M = 2048
+        assert _choose(2048, num_local=128, hidden=4096, inter=1536) == Plan.from_dict(_plan("sorted", 128, 256))
+    finally:
+        monkeypatch.delenv(configs.USER_DIR_ENV)
+        configs.reload()
+    assert configs.merged_raw("E1_H1_I1_bf16_cpu.json") is None
+
+
 def test_a_decode_entry_for_a_larger_batch_falls_back_and_says_why(tuned_dir):
     (tuned_dir / "E64_H2048_I1024_bf16_cpu.json").write_text(json.dumps({"_top_k": 8, "1": _plan("pairs", 16, 64)}))
     with captured_logs(logging.INFO) as messages:

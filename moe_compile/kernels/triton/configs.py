@@ -5,7 +5,9 @@ Tuned files live beside this module in ``configs/`` (and, searched first, in
 ``moe_compile/tools/tune.py``; ``benchmarks/tune_triton.py`` wrote the shipped ones):
 ``E{E}_H{H}_I{I}_{dtype}_{device}.json`` maps a token count ``M`` to
 ``{"path": "pairs"|"decode"|"sorted"|"grouped_mm", "gemm1": {...}, "gemm2": {...}}`` (block sizes, warps,
-stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used.
+stages), plus ``"_top_k"``. The entry whose ``M`` is nearest on a log scale is used. A file of the
+same name in ``$MOE_COMPILE_CONFIG_DIR`` is merged over the shipped one: its entries replace the
+shipped entries of the same ``M`` and the shipped entries at other ``M`` stay (``merged_raw``).
 
 A shape without a file of its own on this device (another model's sizes) borrows: among this
 device's files, the entry whose rows per expert (``M * top_k / E``, what decides between
@@ -123,14 +125,34 @@ def config_file_name(num_experts: int, hidden: int, inter: int, dtype: torch.dty
     return f"E{num_experts}_H{hidden}_I{inter}_{dtype_key(dtype)}_{device}.json"
 
 
+def merged_raw(file_name: str) -> tuple[dict, dict[str, Path]] | None:
+    """The tuned file ``file_name`` as the lookups see it: every config directory's file of that name
+    merged, an entry of an earlier directory (``$MOE_COMPILE_CONFIG_DIR``) replacing the same token
+    count of a later one (the shipped file), so tuning a few batch sizes of your own keeps the
+    shipped plans at the others. Returns the merged JSON and, per key, the file it came from;
+    ``None`` when no directory has the file."""
+    merged, origin = {}, {}
+    for path in reversed([d / file_name for d in config_dirs()]):
+        if path.exists():
+            raw = json.loads(path.read_text())
+            merged.update(raw)
+            origin.update(dict.fromkeys(raw, path))
+    return (merged, origin) if merged else None
+
+
 @functools.lru_cache(maxsize=64)
-def _load(file_name: str) -> dict[int, Plan] | None:
-    path = next((d / file_name for d in config_dirs() if (d / file_name).exists()), None)
-    if path is None:
+def _load_with_origin(file_name: str) -> dict[int, tuple[Plan, Path]] | None:
+    found = merged_raw(file_name)
+    if found is None:
         return None
-    with open(path) as f:
-        raw = json.load(f)
-    return {int(m): Plan.from_dict(v) for m, v in raw.items() if not m.startswith("_")}
+    raw, origin = found
+    return {int(m): (Plan.from_dict(v), origin[m]) for m, v in raw.items() if not m.startswith("_")}
+
+
+def _load(file_name: str) -> dict[int, Plan] | None:
+    """``{M: plan}`` of the merged tuned file ``file_name`` (see ``merged_raw``), ``None`` without one."""
+    table = _load_with_origin(file_name)
+    return None if table is None else {m: plan for m, (plan, _) in table.items()}
 
 
 def pairs_eligible(num_pairs: int, num_local: int) -> bool:
@@ -203,10 +225,10 @@ def _device_files(dtype_name: str, device: str) -> tuple[tuple[str, int, float, 
     out, seen = [], set()
     for path in [p for d in config_dirs() for p in sorted(d.glob(f"*_{dtype_name}_{device}.json"))]:
         match = pattern.fullmatch(path.name)
-        if not match or path.name in seen:  # a file of your own shadows the shipped one of that name
+        if not match or path.name in seen:  # one shape's files are merged (``merged_raw``) and read once
             continue
         seen.add(path.name)
-        raw = json.loads(path.read_text())
+        raw = merged_raw(path.name)[0]
         top_k = raw.get("_top_k")
         if not isinstance(top_k, int) or top_k < 1:
             continue
@@ -288,7 +310,7 @@ def _plan_and_source(num_tokens: int, top_k: int, num_local: int, hidden: int, i
                      keys: tuple[str, ...]) -> tuple[Plan, str]:
     table, name = None, config_file_name(num_local, hidden, inter, dtype, keys[0])
     for key in keys:
-        table = _load(config_file_name(num_local, hidden, inter, dtype, key))
+        table = _load_with_origin(config_file_name(num_local, hidden, inter, dtype, key))
         if table:
             name = config_file_name(num_local, hidden, inter, dtype, key)
             break
@@ -297,7 +319,7 @@ def _plan_and_source(num_tokens: int, top_k: int, num_local: int, hidden: int, i
                              f"none {name}")
     target = math.log2(max(num_tokens, 1))
     best = min(table, key=lambda m: (abs(math.log2(max(m, 1)) - target), m))
-    plan = table[best]
+    plan, origin = table[best]
     if abs(math.log2(max(best, 1)) - target) > FAR_OCTAVES:
         # the file was tuned for other batch sizes only: a plan tuned for these rows per expert
         return _untuned_plan(num_tokens, top_k, num_local, hidden, inter, dtype, keys,
@@ -308,7 +330,8 @@ def _plan_and_source(num_tokens: int, top_k: int, num_local: int, hidden: int, i
         why = f"{name} M={best} is a decode plan and {num_tokens} tokens' pairs share experts"
         _say_once(f"moe_compile: {why}; using the default heuristic (said once per file)", f"decode {name}")
         return default_plan(num_tokens, top_k, num_local, hidden, inter), f"default heuristic ({why})"
-    return plan, f"tuned: {name} M={best}"
+    where = "" if origin.parent == CONFIG_DIR else f" in {origin.parent}"
+    return plan, f"tuned: {name} M={best}{where}"
 
 
 def choose_plan(*, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
@@ -321,7 +344,7 @@ def reload() -> None:
     """Forget the tuned files read so far, so the next lookups read ``config_dirs()`` again (after
     changing ``$MOE_COMPILE_CONFIG_DIR`` or the files in it within one process). Kernels already
     captured in a CUDA graph keep the plans they were captured with."""
-    for cache in (_load, _device_files, _untuned_plan, _plan_and_source):
+    for cache in (_load_with_origin, _device_files, _untuned_plan, _plan_and_source):
         cache.cache_clear()
 
 
@@ -340,5 +363,5 @@ def describe_plan(plan: Plan) -> str:
 
 
 __all__ = ["CONFIG_DIR", "USER_DIR_ENV", "ExpertsPath", "Plan", "borrowed_plan", "choose_plan", "config_dirs",
-           "config_file_name", "default_plan", "describe_plan", "device_key", "parse_shape", "plan_and_source",
-           "reload", "tuned_device_keys"]
+           "config_file_name", "default_plan", "describe_plan", "device_key", "merged_raw", "parse_shape",
+           "plan_and_source", "reload", "tuned_device_keys"]
