@@ -1,4 +1,4 @@
-"""Clock and power under sustained load: our layer against cuBLAS's dense GEMMs of the same sizes.
+"""Clock and power under sustained load: our layer against cuBLAS's dense and batched GEMMs of its sizes.
 
     python benchmarks/probe_power.py [--points mixtral:2048 qwen3:8192 deepseek_v3:8192] [--seconds 3] [--out DIR]
 
@@ -10,6 +10,12 @@ ours and cuBLAS alternately, twice each, with ``nvidia-smi`` sampling the SM clo
 the clock-limit reasons every 50 ms. Per window it prints the time per call and TFLOP/s in the
 first 0.3 s and in the last second, the mean SM clock and power in each, and TFLOP/s per GHz of SM
 clock, which takes the clock out: what the kernels do per clock.
+
+Three workloads per point: ``ours`` (the whole layer), ``cublas_dense`` (the two GEMMs' sizes on
+one expert's weights: the bound's FLOPs, one expert's bytes) and ``cublas_bmm`` (``torch.bmm`` over
+every expert's weights with the same rows per expert each, ``M * top_k / E``: the bound's FLOPs and
+the layer's weight bytes, without routing, padding or a gather). The last separates what reading E
+experts' weights costs in power from what our kernels cost.
 """
 from __future__ import annotations
 
@@ -46,6 +52,23 @@ def sustained(graph, seconds: float) -> list[tuple[float, float]]:
     return out
 
 
+def batched_gemms(block, shape, m: int, gen: torch.Generator):
+    """cuBLAS's batched GEMMs over every expert's weights (HF layout, read through their strides as
+    the layer reads them), ``M * top_k / E`` rows each, inputs made beforehand."""
+    import bench_moe_layer as bench
+
+    rows, rest = divmod(m * shape.top_k, shape.num_experts)
+    if rows == 0 or rest:
+        raise ValueError(f"M * top_k = {m * shape.top_k} must be a positive multiple of E = {shape.num_experts}")
+    w13, w2 = bench.expert_views(block, shape)
+    a1 = torch.randn(shape.num_experts, rows, shape.hidden, device=w13.device, generator=gen).to(w13.dtype)
+    a2 = torch.randn(shape.num_experts, rows, shape.inter, device=w13.device, generator=gen).to(w13.dtype)
+
+    def gemms(_x):
+        return torch.bmm(a1, w13), torch.bmm(a2, w2)
+    return gemms
+
+
 def probe(name: str, m: int, seconds: float, clock: ClockSampler) -> list[dict]:
     import bench_moe_layer as bench
 
@@ -57,7 +80,8 @@ def probe(name: str, m: int, seconds: float, clock: ClockSampler) -> list[dict]:
     flops_per_call = 6 * m * shape.top_k * shape.hidden * shape.inter
     with torch.no_grad():
         graphs = {"ours": bench.capture_graph(ours, inputs)[0],
-                  "cublas_dense": bench.capture_graph(bench.dense_gemms(block, shape, m, gen), inputs)[0]}
+                  "cublas_dense": bench.capture_graph(bench.dense_gemms(block, shape, m, gen), inputs)[0],
+                  "cublas_bmm": bench.capture_graph(batched_gemms(block, shape, m, gen), inputs)[0]}
         for g in graphs.values():  # compile and warm up before the windows
             g.replay()
         torch.cuda.synchronize()

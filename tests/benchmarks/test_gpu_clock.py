@@ -51,3 +51,32 @@ def test_sampler_reads_what_nvidia_smi_writes(monkeypatch, tmp_path):
                 break
         w = clock.window(t0, t0 + 1.0)
     assert (w["mhz"], w["watts"], w["reasons"], w["samples"]) == (1410.0, 695.2, "0x4", 1)
+
+
+def test_probe_power_batched_gemms_run_every_expert_on_its_own_rows():
+    """``probe_power.batched_gemms``: each expert's rows through that expert's weights (HF layout,
+    read through the transposed views), M * top_k / E rows each; a shape whose pairs do not divide
+    evenly is refused."""
+    import types
+
+    import pytest
+    import torch
+
+    import probe_power
+    from moe_compile.tools.tune import Shape
+
+    shape = Shape("tiny", num_experts=4, top_k=2, hidden=8, inter=6)
+    gen = torch.Generator().manual_seed(0)
+    experts = types.SimpleNamespace(gate_up_proj=torch.randn(4, 12, 8, generator=gen),
+                                    down_proj=torch.randn(4, 8, 6, generator=gen))
+    block = types.SimpleNamespace(experts=experts)
+    h, y = probe_power.batched_gemms(block, shape, 6, torch.Generator().manual_seed(1))(None)
+    assert h.shape == (4, 3, 12) and y.shape == (4, 3, 8)
+    ref = torch.Generator().manual_seed(1)
+    a1 = torch.randn(4, 3, 8, generator=ref)
+    a2 = torch.randn(4, 3, 6, generator=ref)
+    for e in range(4):
+        torch.testing.assert_close(h[e], a1[e] @ experts.gate_up_proj[e].T)
+        torch.testing.assert_close(y[e], a2[e] @ experts.down_proj[e].T)
+    with pytest.raises(ValueError, match="multiple of E = 4"):
+        probe_power.batched_gemms(block, shape, 3, gen)
