@@ -7,7 +7,8 @@ import torch
 
 from moe_compile.report import BlockDecision, Report, collecting
 
-_MOE_CLASS = re.compile(r"(?i)(sparsemoe|moe$|moeblock|moelayer|mixtureofexperts|sparsemlp|ffn$)")
+# the class name's ending (Cohere2MoeLayerNorm is a norm, not an MoE layer)
+_MOE_CLASS = re.compile(r"(?i)(sparsemoe\w*|moe|moeblock|moelayer|mixtureofexperts|sparsemlp|ffn)$")
 
 
 def moe_like_modules(model: torch.nn.Module) -> list[str]:

@@ -100,6 +100,9 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     values = next((u for u in topk.users if is_getitem(u, 0)), None)
     if ids is None:
         return "top-k indices are unused"
+    if _feeds_another_topk(topk):
+        return "top-k over %d groups feeds a later top-k (a group-selection step, not the expert choice)" % (
+            num_experts)
     logits, _ = _find_logits(scores, num_experts)
     if logits is None:
         return "no router matmul with %d outputs feeds the top-k" % num_experts
@@ -109,6 +112,28 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
         return "the router matmul has no activation operand"
     bias = _selection_bias(chain, num_experts)
     return RouterAnchor(topk, ids, values, logits, x, weight, num_experts, top_k, chain, bias)
+
+
+_STOP_OPS = MATMUL_OPS | {getattr(aten, name).default for name in ("_grouped_mm", "baddbmm", "einsum")
+                          if hasattr(aten, name)}
+
+
+def _feeds_another_topk(topk: fx.Node, limit: int = 64) -> bool:
+    """Whether ``topk``'s outputs reach another ``aten.topk`` through aten ops other than matmuls: a
+    grouped router's group choice does (group mask, masked scores, the expert top-k: ~10 nodes);
+    one block's top-k reaches the next block's only through the experts' and the next router's
+    matmuls (or a custom op). Looks at ``limit`` nodes at most."""
+    seen, todo = {topk}, list(topk.users)
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if node.target is aten.topk.default:
+            return True
+        if is_getitem(node) or (node.target not in _STOP_OPS and getattr(node.target, "namespace", None) == "aten"):
+            todo.extend(node.users)
+    return False
 
 
 def _find_logits(scores: fx.Node, num_experts: int) -> tuple[fx.Node | None, set[fx.Node]]:

@@ -104,3 +104,22 @@ def test_dump_dir_option_writes_before_and_after(mixtral, tmp_path):
     assert any(f.endswith("_before.txt") for f in files) and any(f.endswith("_after.txt") for f in files)
     after = [p for p in tmp_path.iterdir() if p.name.endswith("_after.txt")][0].read_text()
     assert "moe_compile.fused_moe" in after
+
+
+def test_moe_like_modules_go_by_the_class_name_ending():
+    """A norm whose class name merely contains "MoeLayer" (cohere2_moe's ``Cohere2MoeLayerNorm``) is
+    not reported as an MoE block no graph captured; blocks named ...SparseMoeBlock / ...MoE /
+    ...MoeLayer, or holding ``experts``, are."""
+    from moe_compile.explain import moe_like_modules
+
+    def cls(name):
+        return type(name, (torch.nn.Module,), {})
+
+    model = torch.nn.Module()
+    for i, name in enumerate(["Cohere2MoeLayerNorm", "MixtralSparseMoeBlock", "FooMoE", "BarMoeLayer",
+                              "PlainMLP", "MoeRMSNorm"]):
+        model.add_module("m%d" % i, cls(name)())
+    with_experts = cls("Anything")()
+    with_experts.experts = torch.nn.Linear(2, 2)
+    model.add_module("m6", with_experts)
+    assert moe_like_modules(model) == ["m1", "m2", "m3", "m6"]
