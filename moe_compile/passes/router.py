@@ -119,7 +119,7 @@ _STOP_OPS = MATMUL_OPS | {getattr(aten, name).default for name in ("_grouped_mm"
 
 
 def _feeds_another_topk(topk: fx.Node, limit: int = 64) -> bool:
-    """Whether ``topk``'s outputs reach another ``aten.topk`` through aten ops other than matmuls: a
+    """Whether ``topk``'s outputs reach another ``aten.topk`` through aten/prims ops other than matmuls: a
     grouped router's group choice does (group mask, masked scores, the expert top-k: ~10 nodes);
     one block's top-k reaches the next block's only through the experts' and the next router's
     matmuls (or a custom op). Looks at ``limit`` nodes at most."""
@@ -131,7 +131,8 @@ def _feeds_another_topk(topk: fx.Node, limit: int = 64) -> bool:
         seen.add(node)
         if node.target is aten.topk.default:
             return True
-        if is_getitem(node) or (node.target not in _STOP_OPS and getattr(node.target, "namespace", None) == "aten"):
+        namespace = getattr(node.target, "namespace", None)
+        if is_getitem(node) or (node.target not in _STOP_OPS and namespace in ("aten", "prims")):
             todo.extend(node.users)
     return False
 

@@ -4,6 +4,7 @@ as a block left alone. One block's top-k reaching the next block's through matmu
 step."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -41,15 +42,18 @@ def test_a_top_k_reaching_the_next_block_through_matmuls_is_an_anchor():
     assert _reasons(_two_blocks, (5, 16), (16, 8), (16, 8), (16, 16)) == ["anchor E=8", "anchor E=8"]
 
 
-def test_grouped_routers_are_not_counted_as_skipped_blocks():
+@pytest.mark.parametrize("dtype,inner", [(torch.float32, "aot_eager"), (torch.bfloat16, "inductor")],
+                         ids=["fp32-aot_eager", "bf16-inductor"])
+def test_grouped_routers_are_not_counted_as_skipped_blocks(dtype, inner):
+    """Inductor's bf16 graphs cast the group mask with ``prims.convert_element_type`` on its way."""
     from moe_compile.testing import zoo
     from moe_compile.testing.logs import captured_logs
 
-    model, kwargs = zoo.build_model("deepseek_v3")
+    model, kwargs = zoo.build_model("deepseek_v3", dtype=dtype)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with captured_logs() as messages, torch.no_grad():
-        torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})(**kwargs)
+        torch.compile(model, backend="moe_npu", options={"inner_compiler": inner})(**kwargs)
     counters = torch._dynamo.utils.counters["moe_compile"]
     assert counters["rewritten"] == 2 and counters["skipped"] == 0, dict(counters)
     assert not [m for m in messages if "as it was" in m], messages
