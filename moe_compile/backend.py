@@ -9,7 +9,8 @@ it there (functionalised, every spelling of an op normalised), then the inner co
 - ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
 
 Any exception inside the pass compiles the original graph instead and warns once: a compile
-that works without us works with us.
+that works without us works with us. Dynamo's ``RestartAnalysis`` (a request to trace the frame
+again, not a failure) is passed on, and what the pass recorded in that attempt is forgotten.
 """
 from __future__ import annotations
 
@@ -72,11 +73,16 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
                              "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
         return _compile_plain(gm, example_inputs, inner, config)
-    from moe_compile.report import take_back, tracking
+    from moe_compile.report import forget, take_back, tracking
 
     with tracking() as decisions:
         try:
             return _compile_with_pass(gm, example_inputs, inner, config)
+        except torch._dynamo.exc.RestartAnalysis:
+            # Dynamo's own control flow (e.g. under dynamic=True, AOTAutograd asks it to trace the
+            # frame again with some scalars specialised): not a failure; the retrace calls us again
+            forget(decisions)
+            raise
         except Exception as exc:  # never break a compile that works without us
             log.debug("moe_compile: the pass failed", exc_info=True)
             _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiling the original graph",

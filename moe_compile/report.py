@@ -128,6 +128,16 @@ def take_back(decisions: list[BlockDecision], reason: str) -> None:
             report.add(undone, supersede=True)
 
 
+def forget(decisions: list[BlockDecision]) -> None:
+    """Dynamo will trace this graph again (``RestartAnalysis``): take these decisions out of the
+    counters and the open reports, quietly; the retrace records its own."""
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    for decision in decisions:
+        counters["rewritten" if decision.rewritten else "skipped"] -= 1
+        for report in _ACTIVE:
+            report.blocks = [b for b in report.blocks if b is not decision]
+
+
 def record(decision: BlockDecision) -> None:
     for seen in _TRACKING:
         seen.append(decision)

@@ -40,3 +40,37 @@ def test_token_count_change_recompiles_at_most_once_and_adds_no_graph_breaks():
             ref = first_tensor(model(**kwargs))
             assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] >= 2
+
+
+def test_dynamic_true_rewrites_and_compiles_once(monkeypatch):
+    """``torch.compile(..., dynamic=True)``: AOTAutograd asks Dynamo to trace the frame again with
+    some scalars specialised (``TensorifyScalarRestartAnalysis``). That request is passed on, not
+    taken for a failure of the pass (it was, until the eighteenth session: the original graph was
+    compiled instead, with a warning), and the retrace is rewritten and counted once."""
+    model, _ = zoo.build_model("qwen3_moe")
+    inputs = [zoo.build_inputs("qwen3_moe", num_tokens=t) for t in (5, 9)]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "inductor"})
+    with torch.no_grad():
+        for kwargs in inputs:
+            out, ref = first_tensor(compiled(**kwargs)), first_tensor(model(**kwargs))
+            assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    counters = torch._dynamo.utils.counters
+    assert counters["moe_compile"]["pass_failed"] == 0, dict(counters["moe_compile"])
+    assert counters["moe_compile"]["rewritten"] == zoo.expected_moe_layers("qwen3_moe")
+    assert counters["moe_compile"]["skipped"] == 0
+
+
+def test_forget_takes_an_attempts_decisions_out_of_counters_and_reports():
+    from moe_compile.report import BlockDecision, collecting, forget, record, tracking
+
+    torch._dynamo.utils.counters.clear()
+    with collecting() as report:
+        record(BlockDecision(path="a", reason="kept"))
+        with tracking() as attempt:
+            record(BlockDecision(path="b", num_experts=8, top_k=2, rewritten=True))
+            record(BlockDecision(path="c", reason="no"))
+        forget(attempt)
+    assert [b.path for b in report.blocks] == ["a"]
+    assert dict(torch._dynamo.utils.counters["moe_compile"]) == {"rewritten": 0, "skipped": 1}
