@@ -74,3 +74,24 @@ def test_forget_takes_an_attempts_decisions_out_of_counters_and_reports():
         forget(attempt)
     assert [b.path for b in report.blocks] == ["a"]
     assert dict(torch._dynamo.utils.counters["moe_compile"]) == {"rewritten": 0, "skipped": 1}
+
+
+def test_generate_with_the_compiled_forward_picks_the_same_tokens():
+    """``model.forward = torch.compile(model.forward, backend="moe_npu")`` under ``generate``: the
+    prefill and the one-token decode steps (with the KV cache) are both rewritten, and greedy
+    decoding picks the same tokens as eager (fp32)."""
+    model, _ = zoo.build_model("qwen3_moe")
+    ids = zoo.build_inputs("qwen3_moe", num_tokens=6, batch=2)["input_ids"]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        model.forward = torch.compile(model.forward, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+        try:
+            got = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        finally:
+            del model.forward
+    assert torch.equal(ref, got), (ref, got)
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    # prefill and decode graphs, each with every MoE layer
+    assert counters["rewritten"] == 2 * zoo.expected_moe_layers("qwen3_moe") and counters["skipped"] == 0, dict(counters)
