@@ -1,6 +1,7 @@
 """``explain(model, *args, options=None, **kwargs)``: compile, run once, and report what was rewritten."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -27,6 +28,29 @@ def moe_like_modules(model: torch.nn.Module) -> list[str]:
     return found
 
 
+def full_path(path: str, owner: str) -> str:
+    """``path`` (relative to the module Dynamo compiled) as a path in the whole model, given the
+    full path ``owner`` of a module inside the block (its router): ``layers.0.mlp`` inside
+    ``model.layers.0.mlp.gate`` is ``model.layers.0.mlp``. Unchanged when ``owner`` is not inside it."""
+    if not path:
+        return owner.rsplit(".", 1)[0] if "." in owner else path
+    at = ("." + owner + ".").rfind("." + path + ".")
+    return owner[:at] + path if at >= 0 else path
+
+
+def _resolve_paths(model: torch.nn.Module, report: Report) -> None:
+    """Name every block by its path in ``model``: after a graph break at the top of a model (HF's
+    ``output_router_logits=True``), Dynamo compiles the inner module's frame on its own and the paths
+    it records start there (``layers.0.mlp`` for ``model.layers.0.mlp``)."""
+    owners = {id(p): name.rsplit(".", 1)[0] for name, p in model.named_parameters(remove_duplicate=False)}
+    blocks, report.blocks = report.blocks, []
+    for block in blocks:
+        owner = owners.get(block.router_weight_id) if block.router_weight_id is not None else None
+        if owner is not None and "." in owner:
+            block = dataclasses.replace(block, path=full_path(block.path, owner))
+        report.add(block)
+
+
 def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs) -> Report:
     """Compile ``model`` with ``backend="moe_npu"`` (fresh Dynamo caches), run it on the inputs,
     and return the report: ``.rewritten``, ``.skipped``, ``str(report)``, ``.write_graphs(dir)``."""
@@ -34,6 +58,7 @@ def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs
     compiled = torch.compile(model, backend="moe_npu", options=options)
     with collecting() as report, torch.no_grad():
         report.output = compiled(*args, **kwargs)
+    _resolve_paths(model, report)
     seen = {b.path for b in report.blocks}
     for path in moe_like_modules(model):
         if path not in seen and not any(p.startswith(path + ".") or path.startswith(p + ".") for p in seen if p):

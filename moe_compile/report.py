@@ -32,6 +32,9 @@ class BlockDecision:
     activation: str = "-"
     rewritten: bool = False
     reason: str = ""
+    # id() of the router's weight tensor, so explain() can name the block by its path in the model
+    # when Dynamo compiled a nested frame (paths are relative to the frame's module)
+    router_weight_id: int | None = field(default=None, compare=False, repr=False)
 
     @property
     def decision(self) -> str:

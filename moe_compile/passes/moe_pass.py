@@ -85,9 +85,12 @@ class MoEFusionPass(_Base):
             if "group-selection" not in anchor:
                 record(BlockDecision(path=path, reason=anchor))
             return
+        real_weight = ctx.values.get(anchor.router_weight) if anchor.router_weight is not None else None
+        weight_id = id(real_weight) if isinstance(real_weight, torch.Tensor) else None
         reason = self._excluded(anchor, ctx, path)
         if reason:
-            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=reason))
+            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=reason,
+                                 router_weight_id=weight_id))
             return
         try:
             with unset_fake_temporarily():
@@ -102,7 +105,8 @@ class MoEFusionPass(_Base):
             if not ok:
                 match = "verify: the rewrite disagreed with the original subgraph on fresh random inputs"
         if isinstance(match, str):
-            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match))
+            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match,
+                                 router_weight_id=weight_id))
             return
         with unset_fake_temporarily():
             fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(),
@@ -117,7 +121,7 @@ class MoEFusionPass(_Base):
         record(BlockDecision(
             path=match.path, router=router, experts=match.experts.form,
             num_experts=anchor.num_experts, top_k=anchor.top_k, activation=match.experts.describe(),
-            rewritten=True,
+            rewritten=True, router_weight_id=weight_id,
         ))
 
     def _lowers_to_cuda(self, ctx: GraphContext, anchor) -> bool:

@@ -103,8 +103,12 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     if _feeds_another_topk(topk):
         return "top-k over %d groups feeds a later top-k (a group-selection step, not the expert choice)" % (
             num_experts)
-    logits, _ = _find_logits(scores, num_experts)
+    logits, upstream = _find_logits(scores, num_experts)
     if logits is None:
+        if not any(node.target in MATMUL_OPS for node in upstream):
+            return ("no router matmul with %d outputs feeds the top-k: its scores are inputs of this graph "
+                    "(a router in another graph after a graph break, or a top-k that is not a router, such as "
+                    "a load-balancing loss over the router logits)" % num_experts)
         return "no router matmul with %d outputs feeds the top-k" % num_experts
     chain = {n for n in backward_slice([scores], {logits}) if n.op == "call_function"}
     x, weight = _matmul_operands(logits, names)

@@ -123,3 +123,26 @@ def test_moe_like_modules_go_by_the_class_name_ending():
     with_experts.experts = torch.nn.Linear(2, 2)
     model.add_module("m6", with_experts)
     assert moe_like_modules(model) == ["m1", "m2", "m3", "m6"]
+
+
+def test_blocks_keep_their_model_paths_when_dynamo_compiles_an_inner_frame(mixtral):
+    """``output_router_logits=True`` breaks the graph at the top of ``MixtralForCausalLM``, so Dynamo
+    compiles ``MixtralModel``'s frame on its own and its paths start there (``layers.0.mlp``). The
+    report names the blocks by their path in the model (through the router weights), does not list
+    them a second time as "not captured", and says what the load-balancing loss's top-k is."""
+    model, kwargs = mixtral
+    report = moe_compile.explain(model, **kwargs, output_router_logits=True,
+                                 options={"inner_compiler": "aot_eager"})
+    assert report.rewritten == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    assert [path for path, _ in report.skipped] == [""], str(report)  # printed as <root>
+    assert "load-balancing loss" in report.skipped[0][1]
+
+
+def test_full_path_from_the_router_weights_owner():
+    from moe_compile.explain import full_path
+
+    assert full_path("layers.0.mlp", "model.layers.0.mlp.gate") == "model.layers.0.mlp"
+    assert full_path("layers.0.mlp", "model.layers.0.mlp") == "model.layers.0.mlp"   # weight on the block
+    assert full_path("model.layers.0.mlp", "model.layers.0.mlp.gate") == "model.layers.0.mlp"
+    assert full_path("", "model.layers.3.mlp.gate") == "model.layers.3.mlp"          # the frame is the block
+    assert full_path("layers.0.mlp", "shared.router") == "layers.0.mlp"               # not inside: unchanged
