@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import sys
 import warnings
 
@@ -289,7 +290,27 @@ def _install() -> None:
 
     with contextlib.suppress(Exception):
         _internal.register_log("moe_compile", "moe_compile")
-        _internal._init_logs()
+        if _logs_name_us() and not _inside_torch_init_logs():
+            _internal._init_logs()  # apply TORCH_LOGS now that "moe_compile" is a registered log
+
+
+def _logs_name_us() -> bool:
+    """Whether ``$TORCH_LOGS`` asks for our log. Only then do we re-read it (re-reading reconfigures
+    every torch log; ``torch._logging.set_logs(modules={"moe_compile": logging.INFO})`` needs none)."""
+    return "moe_compile" in os.environ.get("TORCH_LOGS", "")
+
+
+def _inside_torch_init_logs() -> bool:
+    """Whether torch's own ``_init_logs`` is importing us (it imports the unknown names in
+    ``$TORCH_LOGS`` as modules). A nested ``_init_logs`` there added a second handler to every
+    torch log, so each line printed twice; the outer call registers our log's handler itself."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_init_logs" and "_logging" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _install()

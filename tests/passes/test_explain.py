@@ -146,3 +146,26 @@ def test_full_path_from_the_router_weights_owner():
     assert full_path("model.layers.0.mlp", "model.layers.0.mlp.gate") == "model.layers.0.mlp"
     assert full_path("", "model.layers.3.mlp.gate") == "model.layers.3.mlp"          # the frame is the block
     assert full_path("layers.0.mlp", "shared.router") == "layers.0.mlp"               # not inside: unchanged
+
+
+@pytest.mark.parametrize("first", ["torch", "moe_compile"])
+def test_torch_logs_prints_each_line_once(first):
+    """``TORCH_LOGS="+moe_compile"``: torch's own log set-up imports ``moe_compile`` while it runs (it
+    imports the unknown names in ``TORCH_LOGS``). Re-running that set-up from inside it gave every torch
+    log two handlers, so each line printed twice; now one handler each, whichever is imported first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import logging\nimport %s\nimport torch, moe_compile\n"
+            "logging.getLogger('moe_compile').info('one line')\n"
+            "logging.getLogger('torch._dynamo').warning('another line')\n"
+            "print('handlers', len(logging.getLogger('moe_compile').handlers), "
+            "len(logging.getLogger('torch').handlers), logging.getLogger('moe_compile').getEffectiveLevel())\n" % first)
+    env = dict(os.environ, TORCH_LOGS="+moe_compile", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "handlers 1 1 10" in out.stdout, (out.stdout, out.stderr[-2000:])
+    lines = [line.split("] ", 1)[-1] for line in out.stderr.splitlines() if "] " in line]
+    assert lines.count("one line") == 1 and lines.count("another line") == 1, out.stderr[-2000:]
