@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import os
 import sys
 import warnings
 
@@ -290,14 +289,8 @@ def _install() -> None:
 
     with contextlib.suppress(Exception):
         _internal.register_log("moe_compile", "moe_compile")
-        if _logs_name_us() and not _inside_torch_init_logs():
-            _internal._init_logs()  # apply TORCH_LOGS now that "moe_compile" is a registered log
-
-
-def _logs_name_us() -> bool:
-    """Whether ``$TORCH_LOGS`` asks for our log. Only then do we re-read it (re-reading reconfigures
-    every torch log; ``torch._logging.set_logs(modules={"moe_compile": logging.INFO})`` needs none)."""
-    return "moe_compile" in os.environ.get("TORCH_LOGS", "")
+        if not _inside_torch_init_logs():
+            _internal._init_logs()  # set our log up like torch's own, and apply TORCH_LOGS to it
 
 
 def _inside_torch_init_logs() -> bool:
