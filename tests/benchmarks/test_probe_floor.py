@@ -1,5 +1,6 @@
 """``benchmarks/probe_floor.py``'s stream kernel (under Triton's interpreter without CUDA, on the GPU
-with it) sums exactly the bytes of each pair's expert, and ``kernel_breakdown.idle_gaps`` measures the time no kernel runs."""
+with it) sums exactly the bytes of each pair's expert, and ``kernel_breakdown.idle_gaps`` measures
+the time no kernel runs."""
 import sys
 from pathlib import Path
 
