@@ -67,8 +67,22 @@ def parent_path(path: str) -> str | None:
 
 
 def in_scope(node: fx.Node, scope: str) -> bool:
-    path = module_path(node)
+    path = module_path(node) or _inherited_path(node)
     return scope == "" or path == scope or path.startswith(scope + ".")
+
+
+def _inherited_path(node: fx.Node, depth: int = 3) -> str:
+    """A node some pass added without module metadata (AOTAutograd's tensorified scalars under
+    ``dynamic=True``: ``weights * scale`` on a 0-d tensor input) belongs where its inputs do: the
+    first input path found, breadth first, ``depth`` steps up at most."""
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [i for n in frontier for i in node_inputs(n) if i.op == "call_function"]
+        for inp in frontier:
+            path = module_path(inp)
+            if path:
+                return path
+    return ""
 
 
 def node_inputs(node: fx.Node) -> list[fx.Node]:

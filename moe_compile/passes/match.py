@@ -205,7 +205,7 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
         if ids_other is not None:
             extra.append((other.logits, ids_other[0]))
     found = []
-    for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region)):
+    for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region, lambda node: scalar_input(ctx, node))):
         cfg_bias = bias if cfg.has_correction_bias else None
         w, ids = rt.reference_routing(probe.logits, cfg, cfg_bias)
         if not rt.ids_match(got_ids, ids):
@@ -218,6 +218,26 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
     if found:
         return found
     return "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+
+
+def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
+    """The value of a one-element tensor computed from one-element graph inputs only (a routing
+    scale that ``dynamic=True`` made a graph input), else ``None``. The rewrite bakes it in as a
+    constant, as a static compile does (where Dynamo guards on it)."""
+    fake = val(node)
+    if not isinstance(fake, torch.Tensor) or fake.numel() != 1:
+        return None
+    needed = backward_slice([node], set())
+    for leaf in needed:
+        if leaf.op == "placeholder":
+            real = ctx.values.get(leaf)
+            if not (isinstance(real, (int, float)) or (isinstance(real, torch.Tensor) and real.numel() == 1)):
+                return None
+    try:
+        out = ctx.evaluator.run(needed, {}, [node])[0]
+    except Exception:  # noqa: BLE001 - an unevaluable slice is simply not a scale
+        return None
+    return float(out.reshape(-1)[0]) if isinstance(out, torch.Tensor) else None
 
 
 # -- experts ----------------------------------------------------------------------------------

@@ -182,7 +182,9 @@ def _selection_bias(chain: set[fx.Node], num_experts: int) -> fx.Node | None:
 
 
 # -- hints -------------------------------------------------------------------------------------
-def hints(anchor: RouterAnchor, region: set[fx.Node]) -> RouterHints:
+def hints(anchor: RouterAnchor, region: set[fx.Node], scalar=None) -> RouterHints:
+    """What the structure suggests; ``scalar(node)`` (optional) gives the value of a one-element
+    graph input (or a cast of one) as a float, else ``None``."""
     targets = {n.target for n in anchor.chain}
     value_targets = {n.target for n in region}
     sigmoid_first = aten.sigmoid.default in targets or aten.sigmoid.default in value_targets
@@ -190,7 +192,7 @@ def hints(anchor: RouterAnchor, region: set[fx.Node]) -> RouterHints:
                else (RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID))
     after = strip(anchor.topk.args[0]) is anchor.logits
     groups = _group_hints(anchor)
-    scales = _scale_hints(region)
+    scales = _scale_hints(region, scalar)
     renorm_first = aten.sum.dim_IntList in value_targets or aten.sum.default in value_targets
     return RouterHints(methods, after, groups, scales, renorm_first)
 
@@ -215,11 +217,16 @@ def _scores_groups_by_max(chain: set[fx.Node]) -> bool:
     return not top2 and any(n.target in (aten.max.dim, aten.amax.default) for n in chain)
 
 
-def _scale_hints(region: set[fx.Node]) -> tuple[float, ...]:
+def _scale_hints(region: set[fx.Node], scalar=None) -> tuple[float, ...]:
+    """The constants the router's weights are multiplied or divided by: literals, and, under
+    ``dynamic=True`` (Dynamo turns Python floats into graph inputs and AOTAutograd into 0-d
+    tensors), one-element graph inputs, read through ``scalar``."""
     scales = [1.0]
     for node in region:
         if node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar):
-            for arg in node.args[1:]:
+            for arg in node.args[1:] if node.target in (aten.div.Tensor, aten.div.Scalar) else node.args:
+                if isinstance(arg, fx.Node) and scalar is not None:
+                    arg = scalar(arg)
                 if isinstance(arg, float) and math.isfinite(arg) and arg not in (0.0, 1.0):
                     scales.append(arg if node.target in (aten.mul.Tensor, aten.mul.Scalar) else 1.0 / arg)
     return tuple(dict.fromkeys(scales))

@@ -1,6 +1,7 @@
 """No new graph breaks, and at most one recompile when the token count changes."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import moe_compile  # noqa: F401  (registers the backend)
@@ -60,6 +61,29 @@ def test_dynamic_true_rewrites_and_compiles_once(monkeypatch):
     assert counters["moe_compile"]["pass_failed"] == 0, dict(counters["moe_compile"])
     assert counters["moe_compile"]["rewritten"] == zoo.expected_moe_layers("qwen3_moe")
     assert counters["moe_compile"]["skipped"] == 0
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "lfm2_moe"])
+def test_dynamic_true_finds_scales_that_became_graph_inputs(name):
+    """Under ``dynamic=True`` Dynamo turns a Python float such as ``routed_scaling_factor`` into a
+    graph input, and AOTAutograd multiplies the weights by it as a 0-d tensor in a node with no
+    module metadata. Those routers were left alone under dynamic=True (11 families, among them
+    every DeepSeek-style one); the scale is now read from the input and the node counts as part of
+    its block."""
+    available, why = zoo.is_available(name, None)
+    if not available:
+        pytest.skip(why)
+    model, _ = zoo.build_model(name)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "aot_eager"})
+    with torch.no_grad():
+        for tokens in (5, 11):
+            kwargs = zoo.build_inputs(name, num_tokens=tokens, seed=tokens)
+            out, ref = first_tensor(compiled(**kwargs)), first_tensor(model(**kwargs))
+            assert ((out - ref).abs().max() / ref.abs().max()).item() <= 1e-4
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["rewritten"] >= zoo.expected_moe_layers(name) and counters["skipped"] == 0, dict(counters)
 
 
 def test_forget_takes_an_attempts_decisions_out_of_counters_and_reports():
