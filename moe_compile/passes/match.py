@@ -221,17 +221,22 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
 
 
 def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
-    """The value of a one-element tensor computed from one-element graph inputs only (a routing
-    scale that ``dynamic=True`` made a graph input), else ``None``. The rewrite bakes it in as a
-    constant, as a static compile does (where Dynamo guards on it)."""
+    """The value of a one-element tensor computed only from Python numbers that Dynamo made graph
+    inputs (a routing scale under ``dynamic=True``; AOTAutograd passes them as float64 0-d tensors),
+    else ``None``. The rewrite bakes it in as a constant, as a static compile does with the literal.
+    Parameters and buffers are refused: they can change after compiling."""
     fake = val(node)
     if not isinstance(fake, torch.Tensor) or fake.numel() != 1:
         return None
     needed = backward_slice([node], set())
     for leaf in needed:
+        if leaf.op == "get_attr" or (leaf.op == "placeholder" and rt.is_weight_root(leaf, ctx.names)):
+            return None  # a 0-d parameter or buffer can change after compiling; a baked-in copy would not
         if leaf.op == "placeholder":
             real = ctx.values.get(leaf)
-            if not (isinstance(real, (int, float)) or (isinstance(real, torch.Tensor) and real.numel() == 1)):
+            # a Python number, or the float64 0-d tensor AOTAutograd makes of one (not a Parameter)
+            tensorified = (type(real) is torch.Tensor and real.dim() == 0 and real.dtype == torch.float64)
+            if not (isinstance(real, (int, float)) or tensorified):
                 return None
     try:
         out = ctx.evaluator.run(needed, {}, [node])[0]

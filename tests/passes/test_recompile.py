@@ -120,3 +120,29 @@ def test_generate_with_the_compiled_forward_picks_the_same_tokens():
     # prefill and decode graphs, each with every MoE layer
     assert counters["rewritten"] == 2 * zoo.expected_moe_layers("qwen3_moe"), dict(counters)
     assert counters["skipped"] == 0, dict(counters)
+
+
+def test_a_scale_held_in_a_parameter_is_not_baked_into_the_rewrite():
+    """A router whose weights are multiplied by a 0-d ``nn.Parameter`` is left alone: a constant
+    copied into the rewrite would not follow the parameter when it changes after compiling."""
+    from moe_compile.testing.zoo_blocks import build_block_model
+
+    import dataclasses
+
+    model, kwargs = build_block_model("titan_sigmoid_gmm", num_layers=1, dtype=torch.bfloat16)
+    scale = torch.nn.Parameter(torch.tensor(2.0))
+    for module in [m for m in model.modules() if hasattr(getattr(m, "cfg", None), "route_scale")]:
+        module.cfg = dataclasses.replace(module.cfg, route_scale=scale)
+        if hasattr(module, "gate"):  # the router module, which multiplies by it, holds the parameter
+            module.scale = scale
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+    with torch.no_grad():
+        first = first_tensor(compiled(**kwargs))
+        scale.fill_(3.0)
+        again = first_tensor(compiled(**kwargs))
+        ref = first_tensor(model(**kwargs))
+    assert not torch.allclose(first, again)
+    assert ((again.float() - ref.float()).abs().max() / ref.float().abs().max()).item() <= 2e-2  # bf16
+    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 0
