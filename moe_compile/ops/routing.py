@@ -116,12 +116,14 @@ def route_per_token_reference(
     cfg: RoutingConfig,
     e_score_correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same semantics written one token at a time with Python lists (the test oracle)."""
+    """The same semantics written one token at a time with Python lists (the test oracle). Scores,
+    the bias and group sums are fp32, the op's precision: in fp64 sigmoid(1.25) + sigmoid(-1.25)
+    falls one ulp below sigmoid(0) + sigmoid(0) while in fp32 the two tie, which decides a group."""
     weights, ids = [], []
-    bias = None if e_score_correction_bias is None else e_score_correction_bias.float().tolist()
+    bias = None if e_score_correction_bias is None else e_score_correction_bias.float()
     for row in router_logits.float().tolist():
         num_experts = len(row)
-        t = torch.tensor(row, dtype=torch.float64)
+        t = torch.tensor(row, dtype=torch.float32)
         if cfg.scoring_after_topk:
             order = sorted(range(num_experts), key=lambda e: (-row[e], e))[: cfg.top_k]
             picked = t[order]
@@ -133,7 +135,7 @@ def route_per_token_reference(
                     w = w / (w.sum() + cfg.sigmoid_eps)
         else:
             scores = torch.softmax(t, 0) if cfg.method is RoutingMethod.SOFTMAX else torch.sigmoid(t)
-            sel = [float(scores[e]) + (bias[e] if bias else 0.0) for e in range(num_experts)]
+            sel = (scores if bias is None else scores + bias).tolist()  # the fp32 sums, as the op adds them
             allowed = set(range(num_experts))
             if cfg.group_count > 1:
                 size = num_experts // cfg.group_count
@@ -141,7 +143,8 @@ def route_per_token_reference(
                 if cfg.group_select_mode == 0:
                     gscore = [max(g) for g in groups]
                 else:
-                    gscore = [sum(sorted(g, reverse=True)[:2]) for g in groups]
+                    gscore = [float(torch.tensor(sorted(g, reverse=True)[:2], dtype=torch.float32).sum())
+                              for g in groups]
                 kept = sorted(range(cfg.group_count), key=lambda g: (-gscore[g], g))[: cfg.k_group]
                 allowed = {g * size + i for g in kept for i in range(size)}
             order = sorted(allowed, key=lambda e: (-sel[e], e))[: cfg.top_k]
