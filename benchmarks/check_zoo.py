@@ -1,15 +1,18 @@
 """Every zoo family compiled with ``backend="moe_npu"`` under one setting, against eager.
 
     python benchmarks/check_zoo.py [--dynamic] [--dtype bfloat16] [--inner inductor] [--tokens 5 11]
-                                   [--against-inductor] [--families deepseek_v3 ...]
+                                   [--against-inductor] [--families deepseek_v3 ...] [--device cuda]
+                                   [--mode reduce-overhead] [--tol 1e-4]
 
 For each family the zoo can build (tiny config, random weights, the transformers default experts
 implementation): compile once, run each token count, and print the ``moe_compile`` counters and the
 largest output difference relative to eager (with ``--against-inductor`` also to plain Inductor
 compiled the same way: in bf16 a router near-tie can flip under either rounding). A family that
-the static tests expect rewritten but that is not, or that fails the pass, is flagged, and the exit
-code is 1. The eighteenth session ran ``--dynamic`` (the shipped default: aot_eager, fp32): every
-family rewritten, within 1e-4 of eager.
+the static tests expect rewritten but that is not, that fails the pass or raises, or (with ``--tol``)
+whose output is further than ``tol`` (relative to the output's magnitude) from eager and from plain
+Inductor, is flagged, and the exit code is 1. The eighteenth session ran ``--dynamic`` (the shipped default: aot_eager, fp32): every
+family rewritten, within 1e-4 of eager. ``--device cuda`` runs the models and the fused op's CUDA
+(Triton) lowering on the GPU; ``--mode`` is passed to both compiles (``reduce-overhead``: CUDA graphs).
 """
 from __future__ import annotations
 
@@ -37,22 +40,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def check(name: str, args) -> tuple[dict, float, float | None, bool]:
     """(counters, worst difference to eager, worst to plain Inductor or None, flagged)."""
     model, _ = zoo.build_model(name, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     dynamic = True if args.dynamic else None
-    ours = torch.compile(model, backend="moe_npu", dynamic=dynamic, options={"inner_compiler": args.inner})
-    plain = torch.compile(model, backend="inductor", dynamic=dynamic) if args.against_inductor else None
+    options = {"inner_compiler": args.inner, **({"mode": args.mode} if args.mode else {})}
+    ours = torch.compile(model, backend="moe_npu", dynamic=dynamic, options=options)
+    plain = (torch.compile(model, backend="inductor", dynamic=dynamic, mode=args.mode)
+             if args.against_inductor else None)
     to_eager, to_plain = 0.0, None
     with torch.no_grad():
         for tokens in args.tokens:
-            kwargs = zoo.build_inputs(name, num_tokens=tokens, seed=tokens)
-            out = zoo.first_tensor(ours(**kwargs))
+            kwargs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in zoo.build_inputs(name, num_tokens=tokens, seed=tokens).items()}
+            for _ in range(1 if args.mode is None else 3):  # with CUDA graphs: warm-up, record, replay
+                out = zoo.first_tensor(ours(**kwargs)).clone()
             to_eager = max(to_eager, _rel(out, zoo.first_tensor(model(**kwargs))))
             if plain is not None:
-                to_plain = max(to_plain or 0.0, _rel(out, zoo.first_tensor(plain(**kwargs))))
+                for _ in range(1 if args.mode is None else 3):
+                    other = zoo.first_tensor(plain(**kwargs)).clone()
+                to_plain = max(to_plain or 0.0, _rel(out, other))
     counters = dict(torch._dynamo.utils.counters["moe_compile"])
     missing = expected_rewritten(name) and counters.get("rewritten", 0) < zoo.expected_moe_layers(name)
-    return counters, to_eager, to_plain, missing or bool(counters.get("pass_failed"))
+    far = args.tol is not None and min(to_eager, to_plain if to_plain is not None else to_eager) > args.tol
+    return counters, to_eager, to_plain, missing or far or bool(counters.get("pass_failed"))
 
 
 def main(argv=None) -> int:
@@ -63,7 +74,18 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[5, 11])
     parser.add_argument("--against-inductor", action="store_true")
     parser.add_argument("--families", nargs="+", default=None, help="default: every family the zoo can build")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--mode", default=None, choices=["reduce-overhead", "max-autotune-no-cudagraphs"],
+                        help="the inner compiler's mode (needs --inner inductor)")
+    parser.add_argument("--tol", type=float, default=None,
+                        help="flag a family further than this from eager (and from plain Inductor, if compared)")
     args = parser.parse_args(argv)
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        parser.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch.cuda.is_available() is False here")
+    if args.mode is not None and args.inner != "inductor":
+        parser.error(f"--mode {args.mode} needs --inner inductor, got --inner {args.inner}")
     if any(t < 1 for t in args.tokens):
         parser.error(f"--tokens must be positive, got {args.tokens}")
     names = args.families or list(zoo.MOE_FAMILIES)
@@ -77,9 +99,14 @@ def main(argv=None) -> int:
         if not available:
             print(f"{name:<20} not available here: {why}")
             continue
-        counters, to_eager, to_plain, bad = check(name, args)
+        try:
+            counters, to_eager, to_plain, bad = check(name, args)
+        except Exception as e:  # noqa: BLE001 -- one family's crash is reported, the scan goes on
+            print(f"{name:<20} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+            flagged.append(name)
+            continue
         plain = "" if to_plain is None else f"  vs plain inductor {to_plain:.1e}"
-        print(f"{name:<20} {counters}  vs eager {to_eager:.1e}{plain}{'  <-- not rewritten' if bad else ''}",
+        print(f"{name:<20} {counters}  vs eager {to_eager:.1e}{plain}{'  <-- flagged' if bad else ''}",
               flush=True)
         if bad:
             flagged.append(name)

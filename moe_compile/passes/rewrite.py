@@ -2,8 +2,10 @@
 
 Weights reach the op as views of the graph inputs (a ``permute`` when the model stores them
 transposed), so nothing is copied per call. Only blocks whose gate and up projections are
-separate tensors (``ModuleList`` experts, gpt-fast's w1/w3) need one stacked copy, made once at
-compile time and held by the compiled module.
+separate tensors (``ModuleList`` experts, gpt-fast's w1/w3) need one stacked copy: made once at
+compile time by ``moe_compile::stacked_weights`` from the source weights (graph inputs), which
+re-makes it when they change in place (ops/weight_cache.py). Weights that are not graph inputs,
+and EP/TP shards, are copies taken at compile time.
 """
 from __future__ import annotations
 
@@ -70,10 +72,47 @@ def _constant(gm: fx.GraphModule, tensor: torch.Tensor, template: fx.Node) -> fx
     return _call(gm.graph, aten.permute.default, (node, dims), template)
 
 
+def _leaves(source: WeightSource, out: list) -> list:
+    if source.kind == "cat":
+        for part in source.nodes:
+            _leaves(part, out)
+    else:
+        out.extend(n for n in source.nodes if n not in out)
+    return out
+
+
+def _recipe(source: WeightSource, index: dict) -> tuple:
+    if source.kind == "cat":
+        return ("cat", tuple(_recipe(part, index) for part in source.nodes), source.transpose)
+    if source.kind == "stack":
+        return ("stack", tuple(index[n] for n in source.nodes), source.transpose)
+    return ("leaf", index[source.nodes[0]], source.transpose)
+
+
+def _stacked(gm: fx.GraphModule, source: WeightSource, values: dict, template: fx.Node) -> fx.Node:
+    """A stacked copy of separate expert weights, made by ``moe_compile::stacked_weights`` from the
+    source weights themselves, so it follows them when they change (ops/weight_cache.py)."""
+    from moe_compile.ops import weight_cache
+
+    leaves = _leaves(source, [])
+    key, held, dim = weight_cache.register(_recipe(source, {n: i for i, n in enumerate(leaves)}),
+                                           [values[n] for n in leaves])
+    node = gm.graph.call_function(torch.ops.moe_compile.stacked_weights.default, (leaves, key))
+    fake_mode = _fake_mode(template)
+    if fake_mode is not None:
+        node.meta["val"] = fake_mode.from_tensor(held, static_shapes=True)
+    if dim < 3:
+        return _call(gm.graph, aten.squeeze.dim, (node, 1), template)
+    dims = list(range(dim - 2)) + [dim - 1, dim - 2]
+    return _call(gm.graph, aten.permute.default, (node, dims), template)
+
+
 def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, template: fx.Node):
     if source is None:
         return None
     if source.copies:
+        if all(n.op == "placeholder" for n in _leaves(source, [])):
+            return _stacked(gm, source, values, template)
         return _constant(gm, source.real(values), template)
     node = source.nodes[0]
     if not source.transpose:

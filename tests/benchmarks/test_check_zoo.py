@@ -28,8 +28,45 @@ def test_a_failing_pass_is_flagged(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,words", [(["--tokens", "0"], "--tokens must be positive"),
-                                        (["--families", "nope"], "unknown ['nope']")])
+                                        (["--families", "nope"], "unknown ['nope']"),
+                                        (["--device", "tpu"], "--device must be cpu or cuda"),
+                                        (["--mode", "reduce-overhead"], "needs --inner inductor")])
 def test_bad_options_are_refused(argv, words, capsys):
     with pytest.raises(SystemExit):
         check_zoo.main(argv)
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.skipif(check_zoo.torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_cuda_without_cuda_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        check_zoo.main(["--device", "cuda", "--families", "qwen3_moe"])
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+@pytest.mark.expects_fallback
+def test_a_wrong_rewrite_is_flagged_by_tol(capsys, monkeypatch):
+    """A fused op off by 1 % is flagged with --tol 1e-3 (and not without --tol)."""
+    from moe_compile.ops import custom_op
+    right = custom_op.fused_moe_impl
+
+    def off(*args, **kwargs):
+        return right(*args, **kwargs) * 1.01
+    monkeypatch.setattr(custom_op, "fused_moe_impl", off)
+    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5", "--inner", "eager"]) == 0
+    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5", "--inner", "eager", "--tol", "1e-3"]) == 1
+    assert "1 flagged: ['qwen3_moe']" in capsys.readouterr().out
+
+
+def test_a_crashing_family_is_flagged_and_the_scan_goes_on(capsys, monkeypatch):
+    real = check_zoo.check
+
+    def check(name, args):
+        if name == "mixtral":
+            raise RuntimeError("crashed on purpose")
+        return real(name, args)
+    monkeypatch.setattr(check_zoo, "check", check)
+    assert check_zoo.main(["--families", "mixtral", "qwen3_moe", "--tokens", "5"]) == 1
+    out = capsys.readouterr().out
+    assert "mixtral              FAILED: RuntimeError: crashed on purpose" in out
+    assert "qwen3_moe" in out and "1 flagged: ['mixtral']" in out
