@@ -197,74 +197,6 @@ def _compile_plain(gm, example_inputs, inner: InnerCompiler, config: BackendConf
     return aot_eager(gm, example_inputs)
 
 
-# -- Dynamo capture flags, scoped to this backend's compiles ------------------------------------
-def _is_ours(fn, depth: int = 0) -> bool:
-    if fn is None or depth > 5:
-        return False
-    if fn is moe_npu_backend:
-        return True
-    for attr in ("_torchdynamo_orig_backend", "compiler_fn", "func"):
-        inner = getattr(fn, attr, None)
-        if inner is not None and inner is not fn and _is_ours(inner, depth + 1):
-            return True
-    return False
-
-
-def _compiling_with_us() -> bool:
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_compile" and "compiler_fn" in frame.f_locals:
-            return _is_ours(frame.f_locals["compiler_fn"])
-        frame = frame.f_back
-    return False
-
-
-_capture_patch: list = []
-
-
-def _on_compile_start(*_args, **_kwargs) -> None:
-    """Dynamo capture of data-dependent shapes (transformers-4.x style loops over experts with
-    ``torch.where``/``nonzero``, ``.tolist()`` splits) is enabled only while Dynamo compiles a
-    frame for this backend, and restored right after: no global state leaks to other compiles."""
-    if _compiling_with_us():
-        patch = torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
-        patch.__enter__()
-        _capture_patch.append(patch)
-    else:
-        _capture_patch.append(None)
-
-
-def _on_compile_end(*_args, **_kwargs) -> None:
-    if _capture_patch:
-        patch = _capture_patch.pop()
-        if patch is not None:
-            patch.__exit__(None, None, None)
-
-
-def _register_callbacks() -> None:
-    from torch._dynamo import callback_handler
-
-    if _on_compile_start not in callback_handler.start_callbacks:
-        callback_handler.register_start_callback(_on_compile_start)
-        callback_handler.register_end_callback(_on_compile_end)
-
-
-def _keep_callbacks_across_reset() -> None:
-    """``torch._dynamo.reset()`` clears every compile callback; put ours back right after."""
-    from torch._dynamo import callback_handler
-
-    clear = callback_handler.clear
-    if getattr(clear, "_moe_compile", False):
-        return
-
-    def clear_and_reregister() -> None:
-        clear()
-        _register_callbacks()
-
-    clear_and_reregister._moe_compile = True
-    callback_handler.clear = clear_and_reregister
-
-
 def _has_entry_point() -> bool:
     from importlib.metadata import entry_points
 
@@ -283,8 +215,9 @@ def _install() -> None:
     if "moe_npu" not in _COMPILER_FNS and not _has_entry_point():
         register_backend(compiler_fn=moe_npu_backend, name="moe_npu")
     with contextlib.suppress(Exception):
-        _register_callbacks()
-        _keep_callbacks_across_reset()
+        from moe_compile import capture
+
+        capture.install()
     from torch._logging import _internal
 
     with contextlib.suppress(Exception):

@@ -1,0 +1,82 @@
+"""Code that Dynamo compiles without moe_npu but cannot trace under the data-dependent capture
+flags the backend turns on (``GuardOnDataDependentSymNode``) is traced again without them: the
+compile works, the output equals eager, and the report says why."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moe_compile
+from moe_compile.testing.blocks import MoEBlockConfig, V4MoEBlock
+from moe_compile.testing.zoo import redraw_parameters
+
+H, I, E, K = 16, 8, 4, 2
+
+
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(H, I, bias=False), nn.Linear(H, I, bias=False)
+        self.w2 = nn.Linear(I, H, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _Loop(nn.Module):
+    """Two expert loops Dynamo only traces without data-dependent capture."""
+
+    def __init__(self, spelling):
+        super().__init__()
+        self.spelling = spelling
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([_Expert() for _ in range(E)])
+
+    def forward(self, x):
+        p, i = self.gate(x).softmax(-1).topk(K, -1)
+        out = torch.zeros_like(x)
+        if self.spelling == "unique_tolist":
+            for e in i.unique().tolist():
+                t, k = torch.where(i == e)
+                out.index_add_(0, t, self.experts[e](x[t]) * p[t, k, None])
+        else:  # bincount_split
+            flat = i.reshape(-1)
+            order = flat.argsort(stable=True)
+            counts = torch.bincount(flat, minlength=E).tolist()
+            ys = torch.cat([self.experts[e](c) for e, c in enumerate(torch.split(x[order // K], counts))])
+            out.index_add_(0, order // K, ys * p.reshape(-1)[order, None])
+        return out
+
+
+@pytest.mark.parametrize("spelling", ["unique_tolist", "bincount_split"])
+def test_a_frame_that_fails_under_capture_is_traced_again_without_it(spelling):
+    torch.manual_seed(0)
+    model = _Loop(spelling).eval()
+    x = torch.randn(10, H)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        ref = model(x)
+        out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})(x)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        report = moe_compile.explain(model, x, options={"inner_compiler": "aot_eager"})
+    assert any("traced again without that capture" in reason and "GuardOnDataDependentSymNode" in reason
+               for _, reason in report.skipped), report.skipped
+    assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
+
+
+def test_capture_still_on_for_frames_that_need_it_and_off_after():
+    """A 4.x ``torch.where`` loop is still captured whole and rewritten (the retrace is per
+    failing frame), and the flags are off again once the compile is done."""
+    torch.manual_seed(0)
+    block = V4MoEBlock(MoEBlockConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2))
+    redraw_parameters(block, seed=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        torch.compile(block.eval(), backend="moe_npu", options={"inner_compiler": "aot_eager"})(torch.randn(1, 5, 32))
+    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
+    assert not torch._dynamo.config.capture_dynamic_output_shape_ops
+    assert not torch._dynamo.config.capture_scalar_outputs
