@@ -28,13 +28,24 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     elem = x.element_size()
-    if (x.shape[-1] * elem) % 16 or (w.shape[-1] * elem) % 16:
+    if (x.shape[-1] * elem) % 16 or (w.shape[-1] * elem) % 16 or not _strides_ok(w):
         return False
     if x.device.type == "cpu":
         return True
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and cuda_capability(x.device.index or 0) >= (9, 0)
     return False
+
+
+def _strides_ok(w: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` reads a weight with unit stride in one of its last two dims and every
+    other stride a multiple of 16 bytes (views such as ``w[:, :, ::2]``, ``permute(2, 0, 1)`` of
+    an ``[K, N, E]`` tensor or rows padded to an odd length are not; they take the loop)."""
+    elem = w.element_size()
+    unit = w.dim() - 1 if w.stride(-1) == 1 else w.dim() - 2 if w.stride(-2) == 1 else None
+    if unit is None:
+        return False
+    return all((w.stride(i) * elem) % 16 == 0 for i in range(w.dim()) if i != unit and w.shape[i] > 1)
 
 
 def grouped_mm(x_SK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, *,

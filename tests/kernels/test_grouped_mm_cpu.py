@@ -98,3 +98,22 @@ def test_without_free_host_reads_no_shortcut_reads_the_host(monkeypatch):
     pairs = sorted_pairs(torch.tensor([[3, 1], [1, 0]], dtype=torch.int32), 4)
     assert read == []
     assert pairs.offsets.numpy().tolist() == [1, 3, 3, 4]
+
+
+_VIEWS = {
+    "every other column": lambda w: torch.cat([w, w], -1)[:, :, ::2],
+    "expert dim last": lambda w: w.permute(1, 2, 0).contiguous().permute(2, 0, 1),
+    "rows padded to an odd stride": lambda w: torch.nn.functional.pad(w, (0, 1))[:, :, :w.shape[-1]],
+    "column-major": lambda w: w.transpose(1, 2).contiguous().transpose(1, 2),
+    "one expert expanded": lambda w: w[:1].expand_as(w),
+}
+
+
+@pytest.mark.parametrize("view", list(_VIEWS), ids=list(_VIEWS))
+def test_weight_views_take_a_path_that_reads_them(view):
+    """Views that torch._grouped_mm cannot read (no unit stride in the last two dims, or a stride
+    that is not a multiple of 16 bytes) take the loop; before, they raised deep in torch."""
+    x, w, offsets, _ = _case(40, 8, seed=3)
+    w_view = _VIEWS[view](w)
+    want = gmm.grouped_mm_loop(x, w_view.contiguous(), offsets)
+    torch.testing.assert_close(gmm.grouped_mm(x, w_view, offsets), want, rtol=1e-5, atol=1e-5)
