@@ -6,8 +6,8 @@ one per shape) and, for one model, on the CPU (no graphs there), which also chec
 AOTAutograd's restart request (``TensorifyScalarRestartAnalysis``) through the backend and turns
 Python floats into graph inputs.
 
-bf16, at the bf16 tolerance (2e-2 of the output's magnitude), against eager *or* against the same
-model compiled the same way without our backend (plain Inductor). On these tiny random models a
+On the GPU in bf16, at the bf16 tolerance (2e-2 of the output's magnitude), against eager *or*
+against the same model compiled the same way without our backend (plain Inductor). On these tiny random models a
 router logit one bf16 ulp from the next expert's flips the expert choice under one rounding and
 not the other: on the H200 (eighteenth session) the 17-token input of ``qwen3_moe`` differed from
 eager by 0.2155 both with our backend and with plain Inductor (its first layer's k-th and
@@ -15,6 +15,11 @@ eager by 0.2155 both with our backend and with plain Inductor (its first layer's
 from eager with our backend and 0.40 from plain Inductor (``python benchmarks/check_zoo.py --dynamic
 --dtype bfloat16 --inner inductor --against-inductor --families deepseek_v3 --tokens 9``). A wrong
 rewrite is far from both.
+
+On the CPU the case runs in fp32 (within 1e-4 of eager): in bf16 a third rounding can flip a
+near-tie too. On the H200 machine's CPU (torch 2.11, nineteenth session) that bf16 input was 0.42
+from eager and 0.40 from plain Inductor with our backend under Inductor, while our rewrite under
+aot_eager equalled eager exactly (0.0) and the fp32 compile was 6.3e-07 from eager.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ CASES = [("cpu", "deepseek_v3"), ("cuda", "qwen3_moe"), ("cuda", "deepseek_v3")]
 def test_reduce_overhead_with_dynamic_shapes(device, name):
     if device == "cuda" and not CUDA:
         pytest.skip("needs a CUDA device")
-    model, _ = zoo.build_model(name, dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, _ = zoo.build_model(name, dtype=dtype)
     model = model.to(device)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -49,7 +55,9 @@ def test_reduce_overhead_with_dynamic_shapes(device, name):
                 outs.append(out)
             eager = first_tensor(model(**kwargs)).float()
             to_eager, to_plain = max_rel_diff(outs[0], eager), max_rel_diff(outs[0], outs[1])
-            assert min(to_eager, to_plain) <= TOL[torch.bfloat16], (tokens, to_eager, to_plain)
+            assert min(to_eager, to_plain) <= TOL[dtype], (tokens, to_eager, to_plain)
+            if dtype == torch.float32:
+                assert to_eager <= TOL[dtype], (tokens, to_eager)
     counters = torch._dynamo.utils.counters["moe_compile"]
     assert counters["pass_failed"] == 0 and counters["skipped"] == 0, dict(counters)
     assert counters["rewritten"] >= zoo.expected_moe_layers(name), dict(counters)
