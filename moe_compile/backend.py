@@ -127,9 +127,11 @@ def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: Backend
             before = graph.python_code("self").src
             moe_pass(graph)
             _graphs_done(config, before, graph.python_code("self").src)
+            _no_partitions_for_data_dependent_graphs(graph)
 
         hook = _InductorHook(moe_pass, pre_pass)
-        with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False):
+        with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False,
+                                   graph_partition=inductor_config.graph_partition):
             return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
     if inner is InnerCompiler.TORCHAIR:
         from moe_compile.lowering.torchair import compile_with_torchair
@@ -166,6 +168,26 @@ def _graphs_done(config: BackendConfig, before: str, after: str) -> None:
         for tag, text in (("before", before), ("after", after)):
             with open(os.path.join(config.dump_dir, "moe_npu_graph%d_%s.txt" % (index, tag)), "w") as fh:
                 fh.write(text)
+
+
+def _no_partitions_for_data_dependent_graphs(graph) -> None:
+    """With CUDA graphs, a graph that still holds data-dependent shapes after the rewrite (a block
+    left as it was, captured with our data-dependent capture flags, e.g. jetmoe's attention experts)
+    is compiled without Inductor's graph partitions: Inductor then runs it without CUDA graphs
+    ("incompatible op"), as it always did. With partitions, torch 2.11's CUDA-graph trees failed an
+    assertion on such a graph's partition inputs (jetmoe, bf16, mode="reduce-overhead", H200)."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not (inductor_config.triton.cudagraphs and inductor_config.graph_partition):
+        return
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if value is not None and free_unbacked_symbols(value):
+            inductor_config.graph_partition = False
+            log.info("moe_compile: %s keeps data-dependent shapes after the rewrite; compiled without graph "
+                     "partitions, so Inductor runs this graph without CUDA graphs", node.format_node()[:120])
+            return
 
 
 class _InductorHook:

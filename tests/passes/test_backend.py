@@ -152,3 +152,22 @@ def test_failure_after_the_rewrite_takes_the_rewrite_back(monkeypatch):
     assert counters["pass_failed"] == 1 and counters["rewritten"] == 0, dict(counters)
     assert report.rewritten == [], str(report)
     assert report.skipped and all("compile failed after the rewrite" in reason for _, reason in report.skipped)
+
+
+def test_cuda_graph_compiles_of_graphs_with_data_dependent_shapes_get_no_partitions():
+    """Inductor's graph partitions failed under CUDA graphs on a graph that keeps data-dependent
+    shapes after the rewrite (jetmoe's attention experts, torch 2.11): such a graph is compiled
+    without partitions, and Inductor then runs it without CUDA graphs. Other graphs keep them."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from moe_compile.backend import _no_partitions_for_data_dependent_graphs
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        dependent = make_fx(lambda x: x.nonzero() + 1, tracing_mode="symbolic")(torch.randn(4))
+    plain = make_fx(lambda x: x * 2, tracing_mode="symbolic")(torch.randn(4))
+    for graph, partitions, cudagraphs in ((dependent.graph, False, True), (plain.graph, True, True),
+                                          (dependent.graph, True, False)):
+        with inductor_config.patch({"graph_partition": True, "triton.cudagraphs": cudagraphs}):
+            _no_partitions_for_data_dependent_graphs(graph)
+            assert inductor_config.graph_partition is partitions

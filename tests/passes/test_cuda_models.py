@@ -61,3 +61,28 @@ def test_reduce_overhead_with_dynamic_shapes(device, name):
     counters = torch._dynamo.utils.counters["moe_compile"]
     assert counters["pass_failed"] == 0 and counters["skipped"] == 0, dict(counters)
     assert counters["rewritten"] >= zoo.expected_moe_layers(name), dict(counters)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_reduce_overhead_with_a_block_left_data_dependent():
+    """jetmoe: its MLP experts are rewritten, its attention experts stay as they were, captured
+    with data-dependent shapes (``.tolist()`` splits). With CUDA graphs such a graph crashed in
+    torch 2.11's graph partitions; it is now compiled without them (backend.py)."""
+    model, _ = zoo.build_model("jetmoe", dtype=torch.bfloat16)
+    model = model.cuda()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ours = torch.compile(model, backend="moe_npu", mode="reduce-overhead")
+    plain = torch.compile(model, backend="inductor", mode="reduce-overhead")
+    with torch.no_grad():
+        for tokens in (5, 17):
+            kwargs = {k: v.cuda() for k, v in zoo.build_inputs("jetmoe", num_tokens=tokens, seed=tokens).items()}
+            outs = []
+            for compiled in (ours, plain):
+                for _ in range(3):
+                    out = first_tensor(compiled(**kwargs)).float().clone()
+                outs.append(out)
+            eager = first_tensor(model(**kwargs)).float()
+            assert min(max_rel_diff(outs[0], eager), max_rel_diff(outs[0], outs[1])) <= TOL[torch.bfloat16]
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["pass_failed"] == 0 and counters["rewritten"] >= 2, dict(counters)

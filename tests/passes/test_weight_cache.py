@@ -99,3 +99,25 @@ def test_the_op_rebuilds_only_when_a_source_changed(monkeypatch):
     torch.testing.assert_close(out, torch.stack(parts).transpose(-1, -2))
     with pytest.raises(RuntimeError, match="no weights registered under key -1"):
         torch.ops.moe_compile.stacked_weights(parts, -1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_cuda_copies_follow_updates(mode):
+    """On the GPU (the Triton lowering), bf16: in-place updates are followed; under CUDA graphs
+    after ``refresh_weights()`` (a replay runs no Python)."""
+    torch.manual_seed(0)
+    block = _block(V4MoEBlock).to("cuda", torch.bfloat16)
+    x = _x(9).to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    options = {"inner_compiler": "inductor", **({"mode": mode} if mode else {})}
+    fast = torch.compile(block, backend="moe_npu", options=options)
+    with torch.no_grad():
+        for _ in range(3):
+            fast(x)
+        for p in block.parameters():
+            p.mul_(-1.0)
+        if mode:
+            assert moe_compile.refresh_weights() >= 2
+        for _ in range(2):
+            assert max_rel_diff(fast(x).clone(), block(x)) <= TOL[torch.bfloat16]
