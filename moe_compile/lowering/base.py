@@ -7,6 +7,7 @@ a device lowering overrides the stages it has faster kernels for.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,25 @@ class MoEInputs:
     e_score_correction_bias: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None  # precomputed routing (custom routing function)
     topk_ids: torch.Tensor | None = None
+
+
+def tp_rank_inputs(inputs: MoEInputs, cfg: MoEConfig) -> MoEInputs:
+    """Under TP every rank computes a slice of each expert's intermediate dims and the partial down
+    projections are summed across the ranks, so ``w2_bias`` (not sharded) is added by TP rank 0
+    only: a whole ``w2_bias`` passed on every rank counts once (it counted tp_size times), and
+    zeros on the other ranks (``shard_for_tp``'s layout) stay right. Other ranks get zeros of the
+    same shape, so every rank still describes the same call (the group handshake)."""
+    parallel, bias = cfg.parallel, inputs.weights.w2_bias
+    if bias is None or not parallel.tp_group_name or parallel.ep_group_name:
+        return inputs
+    import torch.distributed as dist
+
+    from moe_compile.distributed.groups import resolve_group
+
+    if dist.get_rank(resolve_group(parallel.tp_group_name)) == 0:
+        return inputs
+    weights = dataclasses.replace(inputs.weights, w2_bias=torch.zeros_like(bias))
+    return dataclasses.replace(inputs, weights=weights)
 
 
 class StagedLowering:
@@ -55,6 +75,7 @@ class StagedLowering:
 
     # -- the pipeline --------------------------------------------------------------------------
     def run(self, inputs: MoEInputs, cfg: MoEConfig) -> torch.Tensor:
+        inputs = tp_rank_inputs(inputs, cfg)
         x_TH, logits_TE = self.prepare(inputs)
         if inputs.topk_ids is None:
             topk_weights, topk_ids = self.select_experts(logits_TE, cfg.routing, inputs.e_score_correction_bias)

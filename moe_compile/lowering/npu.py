@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_compile.lowering.base import MoEInputs, StagedLowering
+from moe_compile.lowering.base import MoEInputs, StagedLowering, tp_rank_inputs
 from moe_compile.lowering.npu_activation import npu_activation
 from moe_compile.lowering.npu_comm import Comm, CommMode, all_gather, all_reduce, reduce_scatter, resolve_comm
 from moe_compile.lowering.npu_layout import LayoutCache
@@ -158,6 +158,7 @@ class NpuLowering(StagedLowering):
 
     # -- the pipeline ---------------------------------------------------------------------------
     def run(self, inputs: MoEInputs, cfg: MoEConfig) -> torch.Tensor:
+        inputs = tp_rank_inputs(inputs, cfg)
         prepared = self.prepare_npu(inputs, cfg)
         if prepared.ids_TK is None:
             weights_TK, ids_TK = self.select_experts(prepared.logits_TE, cfg.routing, inputs.e_score_correction_bias)

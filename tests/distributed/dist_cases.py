@@ -45,6 +45,7 @@ class Case:
     custom_routing: bool = False
     transposed: bool = False  # weights as transposed views of HF-layout [E, N, H] / [E, H, I] tensors
     batch3d: bool = False  # hidden_states [B, 2, H] instead of [T, H]
+    full_w2_bias: bool = False  # TP: every rank passes the whole w2_bias (the op adds it on TP rank 0 only)
 
 
 @dataclass(frozen=True)
@@ -129,10 +130,11 @@ def run_case(case: Case, subgroup=None, subgroup_index: int = 0) -> None:
         assert w.w2.shape[1] == case.inter // world and w.w13.shape[0] == case.experts
     else:  # EP (also when both groups are given)
         assert w.w13.shape[0] == case.experts // world and w.w2.shape[1] == case.inter
+    w2_bias = p.w2_bias if case.full_w2_bias else w.w2_bias
     x, logits, expected = p.x, p.logits, ref
     if not case.tokens_full:
         x, logits, expected = (shard_tokens(t, rank=rank, world_size=world) for t in (p.x, p.logits, ref))
-    out = _call(case, p, x, logits, (w.w13, w.w2, w.w13_bias, w.w2_bias), **groups)
+    out = _call(case, p, x, logits, (w.w13, w.w2, w.w13_bias, w2_bias), **groups)
     if not case.reduce_results and case.tokens_full:
         assert not torch.allclose(out, expected, **TOL[case.dtype]), "reduce_results=False still reduced"
         dist.all_reduce(out, group=group)
@@ -199,6 +201,8 @@ def _cases() -> list[Case]:
         Case("tp-no-reduce", "tp", "static", reduce_results=False),
         Case("ep_static-no-reduce", "ep", "static", reduce_results=False),
         Case("tp-swigluoai-interleaved-bias", "tp", None, activation="swigluoai", interleaved=True, biases=True),
+        Case("tp-full-w2-bias", "tp", None, biases=True, full_w2_bias=True),
+        Case("tp-full-w2-bias-no-reduce", "tp", "static", biases=True, full_w2_bias=True, reduce_results=False),
         Case("tp-relu2-nonGated-sharded", "tp", None, tokens_full=False, activation="relu2_no_mul"),
         Case("ep_dynamic-ragged-3tokens", "ep", "dynamic", tokens=3),
         Case("ep_batched-ragged-3tokens", "ep", "batched", tokens=3),
