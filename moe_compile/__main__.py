@@ -3,7 +3,9 @@ tune --shape E,top_k,H,I}``."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -15,6 +17,37 @@ def _time(fn, repeats: int) -> float:
     for _ in range(repeats):
         fn()
     return (time.perf_counter() - start) / repeats
+
+
+def _count(text: str) -> int:
+    """An argparse type: an int >= 1 (token counts, batch, repeats)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
+def _argument_problem(args) -> str | None:
+    """What is wrong with ``demo``/``inspect``'s model and ``--dump-dir``, found before anything is built
+    or compiled (``None``: nothing)."""
+    from moe_compile.testing.zoo import is_available
+
+    model, impl = (args.model, None) if args.command == "demo" else (args.model_type, args.experts_implementation)
+    try:
+        is_available(model, impl)  # the zoo's ValueError names the model type or experts implementation
+    except ValueError as exc:
+        return f"--model: {exc}" if args.command == "demo" else str(exc)
+    if args.dump_dir:
+        try:
+            os.makedirs(args.dump_dir, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=args.dump_dir):
+                pass
+        except OSError as exc:
+            return f"cannot write graph files to --dump-dir {args.dump_dir!r} ({type(exc).__name__}: {exc})"
+    return None
 
 
 def demo(args) -> int:
@@ -47,12 +80,8 @@ def demo(args) -> int:
 
 def inspect(args) -> int:
     import moe_compile
-    from moe_compile.testing.zoo import MOE_FAMILIES, build_model
+    from moe_compile.testing.zoo import build_model
 
-    if args.model_type not in MOE_FAMILIES:
-        print("unknown model type %r; known: %s" % (args.model_type, ", ".join(sorted(MOE_FAMILIES))),
-              file=sys.stderr)
-        return 2
     model, inputs = build_model(args.model_type, experts_implementation=args.experts_implementation)
     report = moe_compile.explain(model, **inputs, options={"inner_compiler": args.inner_compiler})
     print(report)
@@ -98,17 +127,19 @@ def plan(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_compile")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="compile a small MoE model with backend='moe_npu' and show the rewrite")
+    p = demo_parser = sub.add_parser(
+        "demo", help="compile a small MoE model with backend='moe_npu' and show the rewrite")
     p.add_argument("--model", default="mixtral")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--tokens", type=_count, default=16)
+    p.add_argument("--batch", type=_count, default=2)
+    p.add_argument("--repeats", type=_count, default=20)
     p.add_argument("--inner-compiler", default="inductor", choices=["inductor", "aot_eager", "eager"],
                    help="what compiles the rewritten graph (inductor: the backend's own default off NPUs)")
     p.add_argument("--dump-dir", default=None)
     p.set_defaults(fn=demo)
-    p = sub.add_parser("inspect", help="build a tiny random model of a transformers MoE type and report")
+    p = inspect_parser = sub.add_parser(
+        "inspect", help="build a tiny random model of a transformers MoE type and report")
     p.add_argument("model_type")
     p.add_argument("--experts-implementation", default=None)
     p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
@@ -120,7 +151,7 @@ def main(argv=None) -> int:
     p.set_defaults(fn=selfcheck)
     p = sub.add_parser("plan", help="which CUDA experts plan each token count runs for a shape, and from where")
     p.add_argument("--shape", required=True, help="E,top_k,H,I (experts, top-k, hidden size, expert intermediate size)")
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 32, 256, 2048, 8192])
+    p.add_argument("--tokens", nargs="+", type=_count, default=[1, 32, 256, 2048, 8192])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device-key", default=None, help="a device's file key (e.g. NVIDIA_H200) instead of this GPU's")
     p.add_argument("--sm90", action="store_true", help="with --device-key: the device is sm_90 (reads the H200's files)")
@@ -139,6 +170,10 @@ def main(argv=None) -> int:
             return 2
         return tune_main(list(argv[1:]))
     args = parser.parse_args(argv)
+    if args.command in ("demo", "inspect"):
+        problem = _argument_problem(args)
+        if problem:
+            (demo_parser if args.command == "demo" else inspect_parser).error(problem)
     return args.fn(args)
 
 

@@ -77,6 +77,11 @@ class Report:
                 paths.append(path)
         return paths
 
+    def __repr__(self) -> str:
+        # short: the dataclass repr would hold every graph's text (tens of thousands of characters)
+        return "<%s: %d rewritten, %d skipped, %d graph(s); print() for the table>" % (
+            type(self).__name__, len(self.rewritten), len(self.skipped), self.graph_count)
+
     def __str__(self) -> str:
         header = ("path", "router", "experts", "E", "top-k", "activation", "decision")
         rows = [header] + [

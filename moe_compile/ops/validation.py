@@ -4,11 +4,15 @@ and what was expected; type errors raise ``TypeError``, everything else ``ValueE
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moe_compile.ops.config import Activation, DispatcherType, Lowering, RoutingMethod, parse_enum
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# activation value -> gated? (a dict: read on every custom-op call, cheaper than parse_enum)
+_GATED = {member.value: member.is_gated for member in Activation}
 
 
 def _tensor(name: str, value, optional: bool = False) -> None:
@@ -19,8 +23,8 @@ def _tensor(name: str, value, optional: bool = False) -> None:
         raise TypeError(f"{name} must be a torch.Tensor{extra}, but got {type(value).__name__}.")
 
 
-def _int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _int(name: str, value) -> None:  # (a SymInt: an int option made dynamic by torch.compile)
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, but got {type(value).__name__} {value!r}.")
 
 
@@ -30,7 +34,7 @@ def _bool(name: str, value) -> None:
 
 
 def _float(name: str, value) -> None:
-    if not isinstance(value, float):
+    if not isinstance(value, (float, torch.SymFloat)):
         raise TypeError(f"{name} must be a float, but got {type(value).__name__} {value!r}.")
 
 
@@ -53,14 +57,30 @@ def group_size(group) -> int:
 
 def validate_scalars(a: dict) -> None:
     """Types and ranges of the non-tensor arguments (rules 6-14 and 21-23)."""
+    check_op_scalars({**a, "has_bias": a["e_score_correction_bias"] is not None})
+    _bool("use_fused_op", a["use_fused_op"])
+    fn = a["custom_routing_function"]
+    if fn is not None and not callable(fn):
+        raise TypeError(f"custom_routing_function must be callable if provided, but got {type(fn).__name__}.")
+    _group("tp_group", a["tp_group"])
+    _group("ep_group", a["ep_group"])
+
+
+def check_op_scalars(a: dict) -> None:
+    """The scalar arguments the custom ops take (groups travel there as names; ``has_bias``: whether
+    an ``e_score_correction_bias`` is given). ``make_config`` runs it once per distinct set."""
     for name in ("num_experts", "top_k", "k_group", "group_count", "group_select_mode"):
         _int(name, a[name])
-    _float("routed_scaling_factor", a["routed_scaling_factor"])
-    for name in ("tokens_full", "renormalize", "reduce_results", "use_fused_op", "gate_up_interleaved",
+    for name in ("tokens_full", "renormalize", "reduce_results", "gate_up_interleaved",
                  "scoring_after_topk", "normalize_sigmoid", "apply_router_weight_on_input"):
         _bool(name, a[name])
-    for name in ("swiglu_alpha", "swiglu_limit"):
+    for name in ("routed_scaling_factor", "swiglu_alpha", "swiglu_limit"):
         _float(name, a[name])
+    for name in ("routed_scaling_factor", "swiglu_alpha"):
+        if not -math.inf < a[name] < math.inf:  # (not math.isfinite: Dynamo cannot trace it on a SymFloat)
+            raise ValueError(f"{name} must be a finite float, but got {a[name]!r}.")
+    if not a["swiglu_limit"] > 0:
+        raise ValueError(f"swiglu_limit must be > 0 (inf: no clamping), but got {a['swiglu_limit']!r}.")
     if a["dispatcher_type"] is not None:
         parse_enum(DispatcherType, a["dispatcher_type"], "dispatcher_type")
     if a["group_select_mode"] not in (0, 1):
@@ -68,9 +88,6 @@ def validate_scalars(a: dict) -> None:
     parse_enum(RoutingMethod, a["routing_method"], "routing_method")
     parse_enum(Activation, a["activation"], "activation")
     parse_enum(Lowering, a["lowering"], "lowering")
-    fn = a["custom_routing_function"]
-    if fn is not None and not callable(fn):
-        raise TypeError(f"custom_routing_function must be callable if provided, but got {type(fn).__name__}.")
     num_experts, top_k = a["num_experts"], a["top_k"]
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, but got {num_experts}.")
@@ -96,13 +113,11 @@ def validate_scalars(a: dict) -> None:
             f"top_k={top_k} exceeds the experts in the selected groups (k_group={k_group} x "
             f"{per_group} experts per group = {k_group * per_group})."
         )
-    if a["scoring_after_topk"] and (group_count > 1 or a["e_score_correction_bias"] is not None):
+    if a["scoring_after_topk"] and (group_count > 1 or a["has_bias"]):
         raise ValueError("scoring_after_topk=True (Llama-4 routing) cannot be combined with grouped routing "
                          "(group_count > 1) or e_score_correction_bias.")
     if a["apply_router_weight_on_input"] and top_k != 1:
         raise ValueError(f"apply_router_weight_on_input=True needs top_k == 1, but got top_k={top_k}.")
-    _group("tp_group", a["tp_group"])
-    _group("ep_group", a["ep_group"])
 
 
 def validate_tensors(a: dict) -> None:
@@ -114,80 +129,126 @@ def validate_tensors(a: dict) -> None:
     _tensor("w2_weight", w2)
     for name in ("w13_bias", "w2_bias", "e_score_correction_bias"):
         _tensor(name, a[name], optional=True)
-    if hs.dim() < 2:
-        raise ValueError(f"hidden_states must have >= 2 dims [..., hidden_size], but got shape {tuple(hs.shape)}.")
-    if rl.dim() < 2:
-        raise ValueError(f"router_logits must have >= 2 dims [..., num_experts], but got shape {tuple(rl.shape)}.")
-    if w13.dim() != 3:
-        raise ValueError(f"w13_weight must be 3-D [local_experts, hidden_size, 2 * intermediate_size], "
-                         f"but got shape {tuple(w13.shape)}.")
-    if w2.dim() != 3:
-        raise ValueError(f"w2_weight must be 3-D [local_experts, intermediate_size, hidden_size], "
-                         f"but got shape {tuple(w2.shape)}.")
-    num_experts = a["num_experts"]
-    if rl.shape[-1] != num_experts:
-        raise ValueError(f"router_logits.shape[-1] must equal num_experts={num_experts}, but got shape {tuple(rl.shape)}.")
+    ep = group_size(a["ep_group"])
+    check_op_shapes(hs, rl, w13, w2, a["num_experts"], a["activation"], expert_parallel=ep > 1)
     if hs.shape[:-1] != rl.shape[:-1]:
         raise ValueError(f"router_logits leading dims {tuple(rl.shape[:-1])} must match hidden_states leading dims "
                          f"{tuple(hs.shape[:-1])}.")
-    _check_weight_shapes(a)
+    _check_bias_shapes_and_ep(a, ep)
     _check_dtypes_devices(a)
 
 
-def _check_weight_shapes(a: dict) -> None:
-    hs, w13, w2 = a["hidden_states"], a["w13_weight"], a["w2_weight"]
-    local_e, hidden = w13.shape[0], hs.shape[-1]
+def validate_experts_tensors(a: dict) -> None:
+    """``moe_compile::fused_experts``' tensors (checked when it is traced): as :func:`validate_tensors`,
+    with ``topk_weights``/``topk_ids`` [tokens, top_k] in place of the router logits."""
+    ep = group_size(a["ep_group"])
+    check_op_shapes(a["hidden_states"], None, a["w13_weight"], a["w2_weight"], a["num_experts"], a["activation"],
+                    expert_parallel=ep > 1)
+    check_topk(a["hidden_states"], a["topk_weights"], a["topk_ids"], a["num_experts"])
+    _check_bias_shapes_and_ep(a, ep)
+    _check_dtypes_devices(a)
+
+
+def check_op_shapes(hs, rl, w13, w2, num_experts: int, activation, expert_parallel: bool) -> None:
+    """The shape checks the custom ops run on every call, kept cheap (each ``.shape`` read once);
+    ``rl`` None for ``fused_experts``. Without expert parallelism every expert is local."""
+    hs_shape, w13_shape, w2_shape = hs.shape, w13.shape, w2.shape
+    if len(hs_shape) < 2:
+        raise ValueError(f"hidden_states must have >= 2 dims [..., hidden_size], but got shape {tuple(hs_shape)}.")
+    if rl is not None:
+        rl_shape = rl.shape
+        if len(rl_shape) < 2:
+            raise ValueError(f"router_logits must have >= 2 dims [..., num_experts], but got shape {tuple(rl_shape)}.")
+    if len(w13_shape) != 3:
+        raise ValueError(f"w13_weight must be 3-D [local_experts, hidden_size, 2 * intermediate_size], "
+                         f"but got shape {tuple(w13_shape)}.")
+    if len(w2_shape) != 3:
+        raise ValueError(f"w2_weight must be 3-D [local_experts, intermediate_size, hidden_size], "
+                         f"but got shape {tuple(w2_shape)}.")
+    if rl is not None and rl_shape[-1] != num_experts:
+        raise ValueError(f"router_logits.shape[-1] must equal num_experts={num_experts}, "
+                         f"but got shape {tuple(rl_shape)}.")
+    local_e, w13_hidden, w13_width = w13_shape
+    w2_experts, inter, w2_hidden = w2_shape
+    hidden = hs_shape[-1]
     if local_e < 1:
-        raise ValueError(f"w13_weight must hold >= 1 expert, but got shape {tuple(w13.shape)}.")
-    if w2.shape[0] != local_e:
-        raise ValueError(f"w2_weight.shape[0]={w2.shape[0]} must equal w13_weight.shape[0]={local_e} (local experts).")
-    if w13.shape[1] != hidden:
-        raise ValueError(f"w13_weight.shape[1]={w13.shape[1]} must equal hidden_size={hidden} "
+        raise ValueError(f"w13_weight must hold >= 1 expert, but got shape {tuple(w13_shape)}.")
+    if w2_experts != local_e:
+        raise ValueError(f"w2_weight.shape[0]={w2_experts} must equal w13_weight.shape[0]={local_e} (local experts).")
+    if hidden < 1:
+        raise ValueError(f"hidden_size (hidden_states.shape[-1]) must be >= 1, but got shape {tuple(hs_shape)}.")
+    if w13_hidden != hidden:
+        raise ValueError(f"w13_weight.shape[1]={w13_hidden} must equal hidden_size={hidden} "
                          f"(w13_weight is [local_experts, hidden_size, 2 * intermediate_size]).")
-    if w2.shape[2] != hidden:
-        raise ValueError(f"w2_weight.shape[2]={w2.shape[2]} must equal hidden_size={hidden} "
+    if w2_hidden != hidden:
+        raise ValueError(f"w2_weight.shape[2]={w2_hidden} must equal hidden_size={hidden} "
                          f"(w2_weight is [local_experts, intermediate_size, hidden_size]).")
-    gated = parse_enum(Activation, a["activation"], "activation").is_gated
-    want = 2 * w2.shape[1] if gated else w2.shape[1]
-    if w13.shape[2] != want:
+    if inter < 1:
+        raise ValueError(f"intermediate_size (w2_weight.shape[1]) must be >= 1, but got w2_weight shape "
+                         f"{tuple(w2_shape)}.")
+    gated = _GATED.get(activation)
+    if gated is None:  # an Activation member, or a bad value (then parse_enum names it)
+        gated = parse_enum(Activation, activation, "activation").is_gated
+    want = 2 * inter if gated else inter
+    if w13_width != want:
         what = "2 * intermediate_size" if gated else "intermediate_size (non-gated activation)"
-        raise ValueError(f"w13_weight.shape[2]={w13.shape[2]} must equal {what}={want} "
-                         f"(from w2_weight shape {tuple(w2.shape)}).")
+        raise ValueError(f"w13_weight.shape[2]={w13_width} must equal {what}={want} "
+                         f"(from w2_weight shape {tuple(w2_shape)}).")
+    if not expert_parallel and local_e != num_experts:
+        raise ValueError(f"w13_weight.shape[0]={local_e} must equal num_experts={num_experts} "
+                         f"(every expert is local without an ep_group).")
+
+
+def check_topk(hs, topk_weights, topk_ids, num_experts: int) -> None:
+    """``fused_experts``' routing tensors: [tokens, top_k] each, 1 <= top_k <= num_experts (cheap, every call)."""
+    ids_shape = topk_ids.shape
+    if len(ids_shape) != 2 or topk_weights.shape != ids_shape:
+        raise ValueError(f"topk_weights and topk_ids must both be [tokens, top_k], but got shapes "
+                         f"{tuple(topk_weights.shape)} and {tuple(ids_shape)}.")
+    tokens, top_k = ids_shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"topk_ids.shape[1] (top_k) must be in [1, num_experts={num_experts}], but got {top_k}.")
+    if tokens * hs.shape[-1] != hs.numel():
+        raise ValueError(f"topk_ids.shape[0]={tokens} must equal the number of tokens of hidden_states "
+                         f"(shape {tuple(hs.shape)}).")
+
+
+def _check_bias_shapes_and_ep(a: dict, ep: int) -> None:
+    w13, num_experts = a["w13_weight"], a["num_experts"]
+    local_e, hidden = w13.shape[0], a["hidden_states"].shape[-1]
     for name, expected in (("w13_bias", (local_e, w13.shape[2])), ("w2_bias", (local_e, hidden))):
         bias = a[name]
         if bias is not None and tuple(bias.shape) != expected:
             raise ValueError(f"{name} must have shape {expected}, but got {tuple(bias.shape)}.")
-    bias = a["e_score_correction_bias"]
-    if bias is not None and tuple(bias.shape) != (a["num_experts"],):
-        raise ValueError(f"e_score_correction_bias must have shape ({a['num_experts']},), but got {tuple(bias.shape)}.")
-    num_experts = a["num_experts"]
-    ep = group_size(a["ep_group"])
+    bias = a.get("e_score_correction_bias")
+    if bias is not None and tuple(bias.shape) != (num_experts,):
+        raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), but got {tuple(bias.shape)}.")
     if ep > 1:
         if num_experts % ep:
             raise ValueError(f"num_experts={num_experts} must be divisible by the ep_group size {ep}.")
         if local_e != num_experts // ep:
             raise ValueError(f"w13_weight.shape[0]={local_e} must equal num_experts / ep_size = "
                              f"{num_experts}/{ep} = {num_experts // ep} under expert parallelism.")
-    elif local_e != num_experts:
-        raise ValueError(f"w13_weight.shape[0]={local_e} must equal num_experts={num_experts} "
-                         f"(every expert is local without an ep_group).")
 
 
 def _check_dtypes_devices(a: dict) -> None:
     hs = a["hidden_states"]
     if hs.dtype not in FLOAT_DTYPES:
         raise TypeError(f"hidden_states.dtype must be one of float32/bfloat16/float16, but got {hs.dtype}.")
-    if not a["router_logits"].is_floating_point():
-        raise TypeError(f"router_logits.dtype must be a floating dtype, but got {a['router_logits'].dtype}.")
+    for name in ("router_logits", "topk_weights", "e_score_correction_bias"):
+        t = a.get(name)
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"{name}.dtype must be a floating dtype, but got {t.dtype}.")
+    ids = a.get("topk_ids")
+    if ids is not None and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise TypeError(f"topk_ids.dtype must be an integer dtype, but got {ids.dtype}.")
     for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
         t = a[name]
         if t is not None and t.dtype != hs.dtype:
             raise TypeError(f"{name}.dtype must equal hidden_states.dtype={hs.dtype}, but got {t.dtype}.")
-    bias = a["e_score_correction_bias"]
-    if bias is not None and not bias.is_floating_point():
-        raise TypeError(f"e_score_correction_bias.dtype must be a floating dtype, but got {bias.dtype}.")
-    for name in ("router_logits", "w13_weight", "w2_weight", "w13_bias", "w2_bias", "e_score_correction_bias"):
-        t = a[name]
+    for name in ("router_logits", "topk_weights", "topk_ids", "w13_weight", "w2_weight", "w13_bias", "w2_bias",
+                 "e_score_correction_bias"):
+        t = a.get(name)
         if t is not None and t.device != hs.device:
             raise ValueError(f"{name} is on {t.device} but hidden_states is on {hs.device}; "
                              f"expected every tensor on one device.")

@@ -48,13 +48,13 @@ def test_cuda_without_cuda_is_refused(capsys):
 def test_a_wrong_rewrite_is_flagged_by_tol(capsys, monkeypatch):
     """A fused op off by 1 % is flagged with --tol 1e-3 (and not without --tol)."""
     from moe_compile.ops import custom_op
-    right = custom_op.fused_moe_impl
+    right = custom_op._run
 
-    def off(*args, **kwargs):
-        return right(*args, **kwargs) * 1.01
-    monkeypatch.setattr(custom_op, "fused_moe_impl", off)
-    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5", "--inner", "eager"]) == 0
-    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5", "--inner", "eager", "--tol", "1e-3"]) == 1
+    def off(cfg, inputs):
+        return right(cfg, inputs) * 1.01
+    monkeypatch.setattr(custom_op, "_run", off)
+    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5"]) == 0
+    assert check_zoo.main(["--families", "qwen3_moe", "--tokens", "5", "--tol", "1e-3"]) == 1
     assert "1 flagged: ['qwen3_moe']" in capsys.readouterr().out
 
 

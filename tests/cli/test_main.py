@@ -13,8 +13,60 @@ def test_inspect_prints_the_report_table(capsys):
 
 
 def test_inspect_unknown_type_lists_the_known_ones(capsys):
-    assert main(["inspect", "no_such_model"]) == 2
-    assert "mixtral" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", "no_such_model"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "'no_such_model'" in err and "mixtral" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--model", "bogus"], "--model: model_type must be one of ["),
+    (["demo", "--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
+    (["demo", "--tokens", "-1"], "argument --tokens: expected an int >= 1, got -1"),
+    (["demo", "--batch", "0"], "argument --batch: expected an int >= 1, got 0"),
+    (["demo", "--repeats", "0"], "argument --repeats: expected an int >= 1, got 0"),
+    (["demo", "--tokens", "abc"], "argument --tokens: expected an int >= 1, got 'abc'"),
+    (["inspect", "mixtral", "--experts-implementation", "bogus"],
+     "experts_implementation for 'mixtral' must be one of ['grouped_mm', 'batched_mm', 'eager'] (or None), "
+     "but got 'bogus'"),
+    (["plan", "--shape", "8,2,64,32", "--tokens", "0"], "argument --tokens: expected an int >= 1, got 0"),
+    (["plan", "--shape", "8,2,64,32", "--tokens", "32", "-5"], "argument --tokens: expected an int >= 1, got -5"),
+], ids=["model", "tokens0", "tokens-1", "batch0", "repeats0", "tokens_abc", "experts_impl", "plan_tokens0",
+        "plan_tokens-5"])
+def test_bad_arguments_are_refused_up_front(argv, message, capsys, monkeypatch):
+    """rc 2 and argparse's usage + message, before any model is built (no traceback after a compile)."""
+    from moe_compile.testing import zoo
+
+    monkeypatch.setattr(zoo, "build_model", lambda *a, **k: pytest.fail("built a model for bad arguments"))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert f"python -m moe_compile {argv[0]}: error: " in err and message in err, err
+
+
+@pytest.mark.parametrize("command", [["demo", "--inner-compiler", "eager"], ["inspect", "mixtral"]])
+def test_an_unwritable_dump_dir_is_refused_before_compiling(command, capsys, monkeypatch, tmp_path):
+    from moe_compile.testing import zoo
+
+    monkeypatch.setattr(zoo, "build_model", lambda *a, **k: pytest.fail("built a model for an unusable --dump-dir"))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(command + ["--dump-dir", str(blocker / "graphs")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "cannot write graph files to --dump-dir" in err and "a_file" in err
+
+
+def test_bad_argument_exit_status_from_the_command_line():
+    """``python -m moe_compile demo --repeats 0`` (was a ZeroDivisionError after compiling)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "moe_compile", "demo", "--repeats", "0"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "argument --repeats: expected an int >= 1, got 0" in done.stderr
 
 
 def test_demo_reports_rewrite_difference_and_times(capsys):

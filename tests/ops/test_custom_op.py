@@ -153,3 +153,150 @@ def test_compile_inductor():
     torch.testing.assert_close(out, f(t["hidden_states"], t["router_logits"]), atol=0, rtol=0)
     assert counter.frame_count == 1
     assert _count(counter.graphs[0], torch.ops.moe_compile.fused_moe) == 1
+
+
+def _raw_args(**changes):
+    """``torch.ops.moe_compile.fused_moe`` arguments (8 experts, H=16, I=8), with ``changes``: a tensor by
+    name or a scalar option."""
+    t = make_inputs(seed=6)
+    tensors = dict(hidden_states=t["hidden_states"], router_logits=t["router_logits"], w13_weight=t["w13_weight"],
+                   w2_weight=t["w2_weight"], w13_bias=None, w2_bias=None, e_score_correction_bias=None)
+    kwargs = {**ROUTING, **COMMON}
+    for name, value in changes.items():
+        (tensors if name in tensors else kwargs)[name] = value
+    return tuple(tensors.values()), kwargs
+
+
+RAW_CASES = [  # (id, changes, message): the raw op used to run most of these silently or fail deep inside
+    ("top_k_above_num_experts", dict(top_k=9), r"top_k must be in \[1, num_experts=8\], but got 9"),
+    ("top_k_zero", dict(top_k=0), r"top_k must be in \[1, num_experts=8\], but got 0"),
+    ("num_experts_vs_logits", dict(num_experts=16), r"router_logits\.shape\[-1\] must equal num_experts=16"),
+    ("hidden_states_1d", dict(hidden_states=torch.randn(16), router_logits=torch.randn(8)),
+     r"hidden_states must have >= 2 dims .*\(16,\)"),
+    ("router_logits_1d", dict(router_logits=torch.randn(8)), r"router_logits must have >= 2 dims"),
+    ("group_count_3", dict(group_count=3), r"num_experts=8 must be divisible by group_count=3"),
+    ("w2_wrong_intermediate", dict(w2_weight=torch.randn(8, 7, 16)),
+     r"w13_weight\.shape\[2\]=16 must equal 2 \* intermediate_size=14"),
+    ("w2_wrong_hidden", dict(w2_weight=torch.randn(8, 8, 12)), r"w2_weight\.shape\[2\]=12 must equal hidden_size=16"),
+    ("w13_2d", dict(w13_weight=torch.randn(16, 16)), r"w13_weight must be 3-D"),
+    ("local_experts_without_ep", dict(w13_weight=torch.randn(4, 16, 16), w2_weight=torch.randn(4, 8, 16)),
+     r"w13_weight\.shape\[0\]=4 must equal num_experts=8"),
+    ("intermediate_zero", dict(w13_weight=torch.randn(8, 16, 0), w2_weight=torch.randn(8, 0, 16)),
+     r"intermediate_size \(w2_weight\.shape\[1\]\) must be >= 1"),
+    ("routing_method_relu", dict(routing_method="relu"),
+     r"routing_method must be one of \['softmax', 'sigmoid'\], but got 'relu'"),
+    ("scaling_nan", dict(routed_scaling_factor=float("nan")), r"routed_scaling_factor must be a finite float.*nan"),
+    ("activation_unknown", dict(activation="tanh"), r"activation must be one of .*'tanh'"),
+]
+
+
+@pytest.mark.parametrize("changes, pattern", [c[1:] for c in RAW_CASES], ids=[c[0] for c in RAW_CASES])
+def test_raw_fused_moe_op_checks_its_arguments(changes, pattern):
+    """Called through ``torch.ops`` (not the ``fused_moe`` wrapper), the op still refuses bad arguments."""
+    args, kwargs = _raw_args(**changes)
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.moe_compile.fused_moe(*args, **kwargs)
+
+
+def _raw_experts_args(**changes):
+    t = make_inputs(seed=7)
+    weights, ids = seed_custom_routing_function(None, t["router_logits"], 2, True)
+    tensors = dict(hidden_states=t["hidden_states"], topk_weights=weights, topk_ids=ids.to(torch.int32),
+                   w13_weight=t["w13_weight"], w2_weight=t["w2_weight"], w13_bias=None, w2_bias=None)
+    kwargs = dict(num_experts=8, **COMMON)
+    for name, value in changes.items():
+        (tensors if name in tensors else kwargs)[name] = value
+    return tuple(tensors.values()), kwargs
+
+
+RAW_EXPERTS_CASES = [
+    ("top_k_above_num_experts", dict(topk_weights=torch.rand(5, 9), topk_ids=torch.zeros(5, 9, dtype=torch.int32)),
+     r"topk_ids\.shape\[1\] \(top_k\) must be in \[1, num_experts=8\], but got 9"),
+    ("topk_shapes_differ", dict(topk_weights=torch.rand(5, 3)), r"topk_weights and topk_ids must both be"),
+    ("topk_tokens", dict(topk_weights=torch.rand(4, 2), topk_ids=torch.zeros(4, 2, dtype=torch.int32)),
+     r"topk_ids\.shape\[0\]=4 must equal the number of tokens of hidden_states \(shape \(5, 16\)\)"),
+    ("w13_wrong_hidden", dict(w13_weight=torch.randn(8, 12, 16)), r"w13_weight\.shape\[1\]=12 must equal hidden_size"),
+    ("swiglu_alpha_inf", dict(swiglu_alpha=float("inf")), r"swiglu_alpha must be a finite float"),
+]
+
+
+@pytest.mark.parametrize("changes, pattern", [c[1:] for c in RAW_EXPERTS_CASES],
+                         ids=[c[0] for c in RAW_EXPERTS_CASES])
+def test_raw_fused_experts_op_checks_its_arguments(changes, pattern):
+    args, kwargs = _raw_experts_args(**changes)
+    with pytest.raises(ValueError, match=pattern):
+        torch.ops.moe_compile.fused_experts(*args, **kwargs)
+
+
+def _compile_raw_op(monkeypatch, op, args, kwargs):
+    """Compile a function calling the raw op; the op must never run (the error comes at compile time)."""
+    from moe_compile.ops import custom_op
+
+    for name in ("fused_moe_impl", "fused_experts_impl"):
+        monkeypatch.setattr(custom_op, name, lambda *a: pytest.fail("the op ran: not refused at compile time"))
+    hidden, rest = args[0], args[1:]
+    torch._dynamo.reset()  # a fresh compile: no sizes or options made dynamic by an earlier test's
+    compiled = torch.compile(lambda hs: op(hs, *rest, **kwargs), backend="aot_eager", fullgraph=True)
+    return compiled(hidden)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(top_k=9), r"top_k must be in \[1, num_experts=8\], but got 9"),
+    (dict(routing_method="relu"), r"routing_method must be one of"),
+    (dict(group_count=3), r"num_experts=8 must be divisible by group_count=3"),
+    # caught by the fake's full tensor checks only (not among the cheap per-call ones)
+    (dict(router_logits=torch.randn(3, 8)), r"router_logits leading dims \(3,\) must match"),
+    (dict(w13_weight=torch.randn(8, 16, 16, dtype=torch.bfloat16)), r"w13_weight\.dtype must equal"),
+], ids=["top_k", "routing_method", "group_count", "leading_dims", "w13_dtype"])
+def test_compiled_raw_op_refuses_bad_arguments_at_compile_time(changes, pattern, monkeypatch):
+    args, kwargs = _raw_args(**changes)
+    with pytest.raises(Exception, match=pattern):
+        _compile_raw_op(monkeypatch, torch.ops.moe_compile.fused_moe, args, kwargs)
+
+
+def test_compiled_raw_experts_op_refuses_integer_weights_at_compile_time(monkeypatch):
+    args, kwargs = _raw_experts_args(topk_weights=torch.ones(5, 2, dtype=torch.int64))
+    with pytest.raises(Exception, match=r"topk_weights\.dtype must be a floating dtype"):
+        _compile_raw_op(monkeypatch, torch.ops.moe_compile.fused_experts, args, kwargs)
+
+
+def test_compiled_raw_op_resolves_the_ep_group_by_name(monkeypatch):
+    """The trace-time check knows the EP size from ``ep_group_name``: 8 local experts on a 4-rank group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        args, kwargs = _raw_args(ep_group_name=dist.group.WORLD.group_name)
+        with pytest.raises(Exception, match=r"w13_weight\.shape\[0\]=8 must equal num_experts / ep_size"):
+            _compile_raw_op(monkeypatch, torch.ops.moe_compile.fused_moe, args, kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wrapper_eager_path_skips_the_ops_checks(monkeypatch):
+    """``fused_moe()`` validated its arguments already: in eager it calls the implementation directly,
+    without the op's per-call shape checks."""
+    from moe_compile.ops import custom_op
+
+    monkeypatch.setattr(custom_op, "check_op_shapes", lambda *a, **k: pytest.fail("checked twice"))
+    t = make_inputs(seed=8)
+    with torch.no_grad():
+        out = fused_moe(t["hidden_states"], t["router_logits"], 8, 2, t["w13_weight"], t["w2_weight"])
+    assert out.shape == t["hidden_states"].shape
+
+
+def test_compiled_raw_op_with_int_options_made_dynamic():
+    """Recompiling one function for other ``top_k`` values makes Dynamo pass ``top_k`` as a SymInt to the
+    fake: its checks must take it (a cached ``make_config`` would fail: a SymInt does not hash)."""
+    t = make_inputs(seed=9)
+    torch._dynamo.reset()
+    for top_k in (2, 3, 4):
+        kwargs = {**ROUTING, **COMMON, "top_k": top_k}
+
+        def f(hs):
+            return torch.ops.moe_compile.fused_moe(hs, t["router_logits"], t["w13_weight"], t["w2_weight"], None,
+                                                   None, None, **kwargs)
+
+        out = torch.compile(f, backend="aot_eager", fullgraph=True)(t["hidden_states"])
+        torch.testing.assert_close(out, f(t["hidden_states"]), atol=0, rtol=0)

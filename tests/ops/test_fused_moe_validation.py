@@ -112,6 +112,25 @@ CASES = [
     ("w13_bias_shape", _set(w13_bias=torch.zeros(8, 8)), ValueError, r"w13_bias must have shape \(8, 16\), but got \(8, 8\)"),
     ("w2_bias_shape", _set(w2_bias=torch.zeros(16)), ValueError, r"w2_bias must have shape \(8, 16\), but got \(16,\)"),
     ("e_score_bias_shape", _set(e_score_correction_bias=torch.zeros(4)), ValueError, r"e_score_correction_bias must have shape \(8,\)"),
+    # zero sizes (used to fail deep inside with a RuntimeError)
+    ("intermediate_size_zero", _set(w13_weight=torch.randn(8, 16, 0), w2_weight=torch.randn(8, 0, 16)), ValueError,
+     r"intermediate_size \(w2_weight\.shape\[1\]\) must be >= 1, but got w2_weight shape \(8, 0, 16\)"),
+    ("hidden_size_zero", _set(hidden_states=torch.randn(4, 0), w13_weight=torch.randn(8, 0, 16),
+                              w2_weight=torch.randn(8, 8, 0)), ValueError,
+     r"hidden_size \(hidden_states\.shape\[-1\]\) must be >= 1, but got shape \(4, 0\)"),
+    # non-finite floats (used to give a NaN output)
+    ("routed_scaling_factor_nan", _set(routed_scaling_factor=float("nan")), ValueError,
+     r"routed_scaling_factor must be a finite float, but got nan"),
+    ("routed_scaling_factor_inf", _set(routed_scaling_factor=float("inf")), ValueError,
+     r"routed_scaling_factor must be a finite float, but got inf"),
+    ("swiglu_alpha_nan", _set(activation="swigluoai", swiglu_alpha=float("nan")), ValueError,
+     r"swiglu_alpha must be a finite float, but got nan"),
+    ("swiglu_alpha_minus_inf", _set(activation="swigluoai", swiglu_alpha=-float("inf")), ValueError,
+     r"swiglu_alpha must be a finite float, but got -inf"),
+    ("swiglu_limit_nan", _set(activation="swigluoai", swiglu_limit=float("nan")), ValueError,
+     r"swiglu_limit must be > 0 \(inf: no clamping\), but got nan"),
+    ("swiglu_limit_zero", _set(activation="swigluoai", swiglu_limit=0.0), ValueError,
+     r"swiglu_limit must be > 0 \(inf: no clamping\), but got 0\.0"),
     # rules 21-23: grouped routing
     ("num_experts_not_divisible_by_group_count", _set(group_count=3), ValueError, r"num_experts=8 must be divisible by group_count=3"),
     ("mode1_needs_two_per_group", _set(group_count=8, k_group=2, group_select_mode=1), ValueError, r"group_select_mode=1.*>= 2 experts"),
@@ -166,6 +185,14 @@ def test_the_base_call_is_valid():
     """Every bad case above differs from this valid call in the one way it names."""
     out = fused_moe(**_base())
     assert out.shape == (4, 16)
+
+
+def test_an_infinite_swiglu_limit_means_no_clamping():
+    kwargs = _base()
+    out = fused_moe(**kwargs, activation="swigluoai", swiglu_limit=float("inf"))
+    ref = fused_moe(**kwargs, activation="swigluoai", swiglu_limit=1e30)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
 def test_message_names_the_value_and_expectation():
