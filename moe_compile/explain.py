@@ -13,19 +13,28 @@ _MOE_CLASS = re.compile(r"(?i)(sparsemoe\w*|moe|moeblock|moelayer|mixtureofexper
 
 
 def moe_like_modules(model: torch.nn.Module) -> list[str]:
-    """Module paths that look like MoE blocks (for reporting blocks no graph captured)."""
+    """Module paths that look like MoE blocks (for reporting blocks no graph captured). The model itself
+    (path ``""``) is one when it is the block: it holds ``experts``, or its class name says MoE and no
+    module inside it looks like a block of its own."""
     found: list[str] = []
     for name, module in model.named_modules():
-        cls = type(module).__name__
-        has_experts = isinstance(getattr(module, "experts", None), torch.nn.Module)
-        if not name or not (has_experts or _MOE_CLASS.search(cls)):
-            continue
-        if name.endswith(".experts") or cls.lower().endswith(("experts", "expert", "router", "gate")):
+        if not name or not _looks_like_block(name, module):
             continue
         if any(name.startswith(prefix + ".") for prefix in found):
             continue
         found.append(name)
+    if _looks_like_block("", model) and (isinstance(getattr(model, "experts", None), torch.nn.Module) or not found):
+        return [""]
     return found
+
+
+def _looks_like_block(name: str, module: torch.nn.Module) -> bool:
+    cls = type(module).__name__
+    has_experts = isinstance(getattr(module, "experts", None), torch.nn.Module)
+    if not (has_experts or _MOE_CLASS.search(cls)):
+        return False
+    return not (name.endswith(".experts") or name == "experts"
+                or cls.lower().endswith(("experts", "expert", "router", "gate")))
 
 
 def full_path(path: str, owner: str) -> str:
@@ -61,7 +70,10 @@ def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs
     _resolve_paths(model, report)
     seen = {b.path for b in report.blocks}
     for path in moe_like_modules(model):
-        if path not in seen and not any(p.startswith(path + ".") or path.startswith(p + ".") for p in seen if p):
+        # the model itself as the block: any decision (its own, its router's, its frame's) covers it
+        covered = bool(seen) if not path else any(
+            p.startswith(path + ".") or path.startswith(p + ".") for p in seen if p)
+        if path not in seen and not covered:
             report.add(BlockDecision(path=path, reason="no top-k router over its experts was captured in a "
                                      "graph (graph break, eager experts loop, or a router the op cannot express)"))
     return report

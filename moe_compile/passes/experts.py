@@ -17,9 +17,10 @@ import torch
 import torch.fx as fx
 
 from moe_compile.ops.config import Activation, ExpertsConfig
-from moe_compile.passes.graph import aten, val
+from moe_compile.passes.graph import CAST_OPS, MATMUL_OPS, VIEW_OPS, aten, val
 
-_INDEXED_NAME = re.compile(r"^(.*)[._](\d+)[._](.*)$")
+# a numeric component of a parameter name: ``experts.3.w1.weight``, Dynamo's ``..._experts_modules_3_...``
+_NAME_NUMBER = re.compile(r"(?<=[._])\d+(?=[._]|$)")
 
 
 @dataclass(frozen=True)
@@ -79,19 +80,29 @@ def expert_inputs(slice_nodes: set[fx.Node], values: dict, num_experts: int, nam
 
 
 def _stacked_families(nodes: list[fx.Node], values: dict, num_experts: int, names: dict) -> list[WeightSource]:
-    groups: dict[tuple[str, str], dict[int, fx.Node]] = {}
+    """Families of ``E`` same-shaped tensors whose names differ only in one numeric component, the
+    expert index, which runs over exactly ``range(E)``. Any numeric component may be the index
+    (``experts.3.0.weight`` of a ``Sequential``, ``experts.3.fc_1.weight``, ``layers.0.experts.3.w1``):
+    every one is tried, the rightmost that gives a complete family first, and each tensor joins one
+    family at most."""
+    groups: dict[tuple[str, int], dict[int, fx.Node]] = {}
     for node in nodes:
-        match = _INDEXED_NAME.match(names.get(node, ""))
-        if match:
-            prefix, index, suffix = match.groups()
-            groups.setdefault((prefix, suffix), {})[int(index)] = node
-    out = []
-    for members in groups.values():
+        name = names.get(node, "")
+        numbers = list(_NAME_NUMBER.finditer(name))
+        for rank, match in enumerate(reversed(numbers)):  # rank 0: the rightmost number
+            template = name[:match.start()] + "#" + name[match.end():]
+            groups.setdefault((template, rank), {})[int(match.group())] = node
+    complete = []
+    for (template, rank), members in groups.items():
         if sorted(members) != list(range(num_experts)):
             continue
         ordered = tuple(members[i] for i in range(num_experts))
-        shapes = {tuple(values[n].shape) for n in ordered}
-        if len(shapes) == 1:
+        if len({tuple(values[n].shape) for n in ordered}) == 1:
+            complete.append((rank, template, ordered))
+    out, taken = [], set()
+    for _, _, ordered in sorted(complete, key=lambda c: c[:2]):
+        if taken.isdisjoint(ordered):
+            taken.update(ordered)
             out.append(WeightSource("stack", ordered))
     return sorted(out, key=lambda s: names.get(s.nodes[0], ""))
 
@@ -105,6 +116,11 @@ def _shape(source: WeightSource, values: dict) -> tuple[int, int]:
         return parts[0][0], sum(p[1] for p in parts)
     a, b = t.shape[-2:]
     return (b, a) if source.transpose else (a, b)
+
+
+def is_gated(w13: WeightSource, w2: WeightSource, values: dict) -> bool:
+    """Whether a (w13, w2) reading has a gate and an up half (``w13``'s width is twice ``w2``'s input)."""
+    return _shape(w13, values)[1] == 2 * _shape(w2, values)[0]
 
 
 def _orientations(source: WeightSource) -> list[WeightSource]:
@@ -214,5 +230,115 @@ def region_of(nodes: set[fx.Node]) -> set[fx.Node]:
     return {n for n in nodes if n.op == "call_function"}
 
 
-__all__ = ["ExpertsChoice", "WeightSource", "activation_candidates", "bias_layouts", "expert_inputs",
-           "experts_form", "region_of", "val", "weight_layouts"]
+# -- why no reading matched (the skip reason) -------------------------------------------------
+_REINDEX_OPS = VIEW_OPS | CAST_OPS | {
+    aten.t.default, aten.permute.default, aten.transpose.int, aten.expand.default, aten.select.int,
+    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
+}
+_EXPERT_MM_OPS = MATMUL_OPS | {getattr(aten, name).default for name in ("_grouped_mm", "baddbmm")
+                               if hasattr(aten, name)}
+_ACTIVATION_NAMES = {
+    aten.relu.default: "relu", aten.silu.default: "silu", aten.sigmoid.default: "sigmoid",
+    aten.tanh.default: "tanh", aten.erf.default: "erf", aten.clamp.default: "clamp",
+    aten.clamp_min.default: "clamp", aten.clamp_max.default: "clamp", aten.square.default: "square",
+    aten.pow.Tensor_Scalar: "pow", aten.elu.default: "elu", aten.leaky_relu.default: "leaky_relu",
+    aten.hardtanh.default: "hardtanh", aten.hardswish.default: "hardswish", aten.softplus.default: "softplus",
+    aten.mish.default: "mish",
+}
+SUPPORTED_ACTIVATIONS = ("gated: silu, gelu, gelu_tanh, swigluoai; non-gated: silu, gelu, relu, relu2")
+
+
+# the ops the supported activations show up as (swigluoai: sigmoid and clamps; gelu: erf or tanh; relu2: a square)
+_GATED_OPS = {"silu", "gelu", "gelu(approximate='tanh')", "sigmoid", "clamp", "tanh", "erf"}
+_NON_GATED_OPS = {"silu", "gelu", "relu", "square", "pow", "sigmoid", "erf"}
+
+
+def unsupported_activations(names: list[str], gated: bool, non_gated: bool) -> bool:
+    """Whether the activations seen fit none of the op's activations for the gated and/or
+    non-gated readings of the weights (no activation at all fits none either)."""
+    seen = set(names)
+    return not seen or not ((gated and seen <= _GATED_OPS) or (non_gated and seen <= _NON_GATED_OPS))
+
+
+def _in_order(slice_nodes: set[fx.Node]) -> list[fx.Node]:
+    if not slice_nodes:
+        return []
+    graph = next(iter(slice_nodes)).graph
+    return [n for n in graph.nodes if n in slice_nodes]
+
+
+def computed_weights(slice_nodes: set[fx.Node], stop: set[fx.Node], values: dict, hidden: int) -> list[fx.Node]:
+    """Tensors the graph computes from its weight inputs alone (``w13 + A @ B``: a LoRA merge) and that
+    feed the experts: for each use by the block's computation, the nearest such node that is more
+    than a view, cast, index or slice of a weight. ``[]`` when the experts read their weights as stored."""
+    depends, weight_only, nearest = set(), set(), {}
+    for node in _in_order(slice_nodes):
+        inputs = node.all_input_nodes
+        if node in stop or any(i in depends for i in inputs):
+            depends.add(node)
+        elif node.op in ("placeholder", "get_attr"):
+            t = values.get(node)
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 1:
+                weight_only.add(node)
+        elif node.op == "call_function" and inputs and all(i in weight_only for i in inputs):
+            weight_only.add(node)
+            t = val(node)
+            computed = (node.target not in _REINDEX_OPS and getattr(node.target, "__name__", "") != "getitem"
+                        and isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2
+                        and t.numel() >= hidden)
+            nearest[node] = {node} if computed else set().union(*(nearest.get(i, set()) for i in inputs))
+    found = []
+    for node in _in_order(weight_only):
+        if any(u in depends for u in node.users):
+            found += [n for n in _in_order(nearest.get(node, set())) if n not in found]
+    return found
+
+
+def folded_weights(slice_nodes: set[fx.Node], values: dict, num_experts: int, hidden: int,
+                   exclude: set[fx.Node]) -> list[fx.Node]:
+    """2-D weight inputs that hold every expert in one matrix (``nn.Linear(H, E * 2I)``): one dim is the
+    hidden size, the other a multiple of ``E`` larger than it."""
+    out = []
+    for node in _in_order(slice_nodes):
+        t = values.get(node)
+        if node in exclude or node.op not in ("placeholder", "get_attr") or not isinstance(t, torch.Tensor):
+            continue
+        if t.dim() == 2 and t.is_floating_point() and hidden in t.shape:
+            other = t.shape[1] if t.shape[0] == hidden else t.shape[0]
+            if other > num_experts and other % num_experts == 0:
+                out.append(node)
+    return out
+
+
+def activations_seen(slice_nodes: set[fx.Node], stop: set[fx.Node]) -> list[str]:
+    """The activation ops applied after an expert matmul in the slice (not the router's: its matmul is
+    a ``stop`` node), as ``relu`` / ``gelu(approximate='tanh')`` ..., in graph order."""
+    after, names = set(), []
+    for node in _in_order(slice_nodes):
+        if node.op != "call_function" or node in stop:
+            continue
+        if node.target in _EXPERT_MM_OPS or any(i in after for i in node.all_input_nodes):
+            after.add(node)
+        name = _ACTIVATION_NAMES.get(node.target)
+        if node.target is aten.gelu.default:
+            approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+            name = "gelu" if approximate == "none" else "gelu(approximate=%r)" % approximate
+        if name and node in after and name not in names:
+            names.append(name)
+    return names
+
+
+def describe_sources(sources: list[WeightSource], values: dict) -> str:
+    """``[8, 96, 32], 8 x [48, 32]`` for 3-D tensors and ``ModuleList`` weight families (one per expert)."""
+    parts = []
+    order = {n: i for i, n in enumerate(_in_order({s.nodes[0] for s in sources}))}
+    for source in sorted(sources, key=lambda s: order[s.nodes[0]]):
+        shape = list(values[source.nodes[0]].shape)
+        parts.append("%d x %s" % (len(source.nodes), shape) if source.kind == "stack" else str(shape))
+    return ", ".join(parts)
+
+
+__all__ = ["ExpertsChoice", "SUPPORTED_ACTIVATIONS", "WeightSource", "activation_candidates", "activations_seen",
+           "bias_layouts", "computed_weights", "describe_sources", "expert_inputs", "experts_form",
+           "folded_weights", "is_gated", "region_of", "unsupported_activations", "val",
+           "weight_layouts"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
@@ -17,7 +17,7 @@ from moe_compile.passes import experts as ex
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
     CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, backward_slice, forward_slice, in_scope,
-    module_path, parent_path, val,
+    module_path, module_stack, parent_path, val,
 )
 
 log = logging.getLogger("moe_compile")
@@ -69,8 +69,11 @@ def describe_routing(cfg: RoutingConfig) -> str:
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    """``a`` (the fused op's ``[T, H]`` output) equals ``b``, which may keep leading dims ``[B, S, H]``."""
     if a.shape != b.shape:
-        return False
+        if a.numel() != b.numel() or a.shape[-1:] != b.shape[-1:]:
+            return False
+        b = b.reshape(a.shape)
     a, b = a.float(), b.float()
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         return False
@@ -137,7 +140,8 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe 
     if x_shape is None or l_shape is None:
         return "the block's token count is not known from the example inputs"
     if len(x_shape) != 2 or len(l_shape) != 2:
-        return "router input is not 2-D [tokens, hidden]"
+        return "the router matmul's input %s or logits %s are not 2-D [tokens, hidden] / [tokens, experts]" % (
+            list(x_shape), list(l_shape))
     xv, lv = val(anchor.x), val(anchor.logits)
     gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
     x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=activation_dtype(anchor.x))
@@ -247,12 +251,18 @@ def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
 
 # -- experts ----------------------------------------------------------------------------------
 def output_candidates(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str) -> list[fx.Node]:
+    """Nodes after the expert choice shaped like the block input ``[T, H]``, or, when the top-k is
+    over ``[B, S, E]`` scores, like ``[B, S, H]``; latest first."""
     x_shape = ctx.conc.shape(anchor.x)
+    shapes = {x_shape} - {None}
+    scores_shape = ctx.conc.shape(anchor.topk.args[0])
+    if x_shape is not None and scores_shape is not None and len(scores_shape) > 2:
+        shapes.add(scores_shape[:-1] + x_shape[-1:])
     out = []
     for node in forward_slice(anchor.ids):
         v = val(node)
         if (node.op == "call_function" and isinstance(v, torch.Tensor) and v.is_floating_point()
-                and in_scope(node, scope) and v.dim() == 2 and ctx.conc.shape(node) == x_shape):
+                and in_scope(node, scope) and v.dim() >= 2 and ctx.conc.shape(node) in shapes):
             out.append(node)
     order = {n: i for i, n in enumerate(ctx.graph.nodes)}
     out.sort(key=order.__getitem__, reverse=True)
@@ -312,20 +322,29 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
 def _with_input_weighting(cfgs: list[ExpertsConfig], routing: RoutingConfig) -> list[ExpertsConfig]:
     if routing.top_k != 1:
         return cfgs
-    from dataclasses import replace
-
     return cfgs + [replace(c, apply_router_weight_on_input=True) for c in cfgs]
 
 
 def scopes(anchor: rt.RouterAnchor) -> list[str]:
-    """Module scopes to look for the routed output in, innermost first."""
-    path = module_path(anchor.logits) or module_path(anchor.topk)
+    """Module scopes to look for the routed output in, innermost first: the router module's parent
+    and grandparent, and first the router's own module when that is no router (a block that holds its
+    router weight as a bare parameter computes the logits itself)."""
+    node = anchor.logits if module_path(anchor.logits) else anchor.topk
+    path = module_path(node)
     out = []
     parent = parent_path(path)
     while parent is not None and len(out) < 2:
         out.append(parent)
         parent = parent_path(parent)
+    stack = module_stack(node)
+    if path and stack and stack[-1][1] is not None and not looks_like_router(stack[-1][1]):
+        out.insert(0, path)
     return out or [""]
+
+
+def looks_like_router(cls: type) -> bool:
+    name = cls.__name__.lower()
+    return any(word in name for word in ("router", "gate", "linear", "topk"))
 
 
 def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
@@ -339,21 +358,103 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
     bias_value = None
     if anchor.bias is not None:
         bias_value = ctx.evaluator.run(backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1)
-    tried = set()
+    tried: dict[fx.Node, None] = {}
     for scope in scope_list:
         for output in output_candidates(ctx, anchor, scope):
             if output in tried:
                 continue
-            tried.add(output)
+            tried[output] = None
             for routing in routings:
                 choice = identify_experts(ctx, anchor, routing, probe, output, bias_value)
                 if choice is None:
                     continue
                 if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,)):
                     continue
+                fused_anchor = _with_output_dims(ctx, anchor, output)
+                if isinstance(fused_anchor, str):
+                    return fused_anchor
                 old = backward_slice([output], set(probe.overrides))
-                return BlockMatch(anchor, routing, output, choice, scope, old, bias_value)
-    return "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"
+                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value)
+    return no_output_reason(ctx, anchor, probe, list(tried))
+
+
+NOT_CAPTURED = "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"
+
+
+def no_output_reason(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, tried: list[fx.Node]) -> str:
+    """Why no candidate output matched, from what the candidates' slices hold: expert weights in a
+    form the op has no activation or layout for, weights computed in the graph, every expert in one
+    matrix; ``NOT_CAPTURED`` when no expert weights are there at all."""
+    stop = set(probe.overrides)
+    exclude = {n for n in (anchor.router_weight, anchor.bias) if n is not None}
+    hidden = probe.x2d.shape[-1]
+    best = None
+    for output in tried:
+        nodes = backward_slice([output], stop)
+        mats, _ = ex.expert_inputs(nodes, ctx.values, anchor.num_experts, ctx.names, exclude)
+        layouts = ex.weight_layouts(mats, ctx.values, hidden)
+        computed = ex.computed_weights(nodes, stop, ctx.values, hidden)
+        folded = ex.folded_weights(nodes, ctx.values, anchor.num_experts, hidden, exclude)
+        score = (bool(layouts), len(mats) + len(computed) + len(folded))
+        if best is None or score > best[0]:
+            best = (score, nodes, mats, layouts, computed, folded)
+    if best is None or best[0][1] == 0:
+        return NOT_CAPTURED
+    _, nodes, mats, layouts, computed, folded = best
+    found = "expert weights %s" % ex.describe_sources(mats, ctx.values) if mats else "no [E, ...] expert weights"
+    if computed:
+        shapes = ", ".join("%s by %s" % (list(val(n).shape), _op_name(n)) for n in computed[:4])
+        return ("the experts' weights are computed in the graph from parameters (%s) rather than read as "
+                "stored: the fused op takes stored weights, so the block is left as it was" % shapes)
+    if layouts:
+        acts = ex.activations_seen(nodes, stop)
+        gated = sorted({"gated" if ex.is_gated(w13, w2, ctx.values) else "non-gated" for w13, w2 in layouts})
+        kind = " or ".join(gated)
+        if ex.unsupported_activations(acts, "gated" in gated, "non-gated" in gated):
+            return ("%s found (read as %s experts), but no activation or layout the fused op supports reproduces "
+                    "the routed output: no node of the block equals the op's output (activations after the expert "
+                    "matmuls: %s; the op has %s)" % (found, kind, ", ".join(acts) or "none", ex.SUPPORTED_ACTIVATIONS))
+        return ("%s found (read as %s experts, activations %s), but no node of the block equals the fused op's "
+                "output on them: the block computes something the op does not (expert outputs changed before "
+                "weighting, dropped tokens, another combine?)" % (found, kind, ", ".join(acts) or "none"))
+    if folded:
+        shapes = ", ".join(str(list(ctx.values[n].shape)) for n in folded[:4])
+        return ("%s found, and a weight %s that holds all %d experts in one matrix (one Linear for every expert): "
+                "not a per-expert layout the fused op takes" % (found, shapes, anchor.num_experts))
+    return ("%s found, but not as gate/up and down (or gate, up and down) tensors of hidden size %d: no layout "
+            "the fused op takes" % (found, hidden))
+
+
+def _op_name(node: fx.Node) -> str:
+    return str(node.target).replace("aten.", "").split(".")[0]
+
+
+def _with_output_dims(ctx: GraphContext, anchor: rt.RouterAnchor, output: fx.Node) -> rt.RouterAnchor | str:
+    """The anchor whose block input and router logits keep the routed output's leading dims (the
+    fused op returns its input's shape): ``[B, S, H]`` / ``[B, S, E]`` views of the ``[T, H]`` input
+    and ``[T, E]`` logits when the block never flattens its tokens; the anchor itself otherwise."""
+    out_shape = ctx.conc.shape(output)
+    if out_shape == ctx.conc.shape(anchor.x):
+        return anchor
+    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
+    before = [n for n in _family(anchor.x) if order.get(n, len(order)) < order[output]]
+    xs = [n for n in before if ctx.conc.shape(n) == out_shape]
+    xs.sort(key=lambda n: (val(n).dtype != val(anchor.x).dtype, order[n]))
+    logits_shape = out_shape[:-1] + (anchor.num_experts,)
+    views, seen, todo = [], set(), [anchor.logits]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if ctx.conc.shape(node) == logits_shape and order[node] < order[output]:
+            views.append(node)
+        todo.extend(u for u in node.users if u.op == "call_function" and u.target in VIEW_OPS)
+    if not xs or not views:
+        return ("the routed output is %s (top-k over %d-D scores) but the graph holds no %s view of the block input "
+                "and %s view of the router logits to hand the fused op" % (
+                    list(out_shape), len(out_shape), list(out_shape), list(logits_shape)))
+    return replace(anchor, x=xs[0], logits=min(views, key=order.__getitem__))
 
 
 def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials) -> bool:

@@ -155,14 +155,9 @@ def _block_path(topk: fx.Node) -> str:
     path = module_path(topk)
     stack = module_stack(topk)
     # the router is usually its own module (``mlp.gate``); the block is its parent
-    if len(stack) >= 2 and stack[-1][1] is not None and _looks_like_router(stack[-1][1]):
+    if len(stack) >= 2 and stack[-1][1] is not None and match_mod.looks_like_router(stack[-1][1]):
         return parent_path(path) or path
     return path
-
-
-def _looks_like_router(cls: type) -> bool:
-    name = cls.__name__.lower()
-    return any(word in name for word in ("router", "gate", "linear", "topk"))
 
 
 def _live(graph: fx.Graph) -> set[fx.Node]:

@@ -1,6 +1,6 @@
 """Router recognition: find a top-k router in the graph and identify its routing configuration.
 
-Structure gives the anchors: the final ``aten.topk`` over ``[T, E]`` scores, the router logits
+Structure gives the anchors: the final ``aten.topk`` over ``[T, E]`` (or ``[B, S, E]``) scores, the router logits
 (the nearest matmul upstream of it with ``E`` outputs) and the block input (that matmul's
 activation operand). The configuration (softmax/sigmoid, selection bias, groups and their mode,
 renormalisation, scaling, Llama-4 order) is then *identified by probing*: the captured router
@@ -85,10 +85,13 @@ def find_anchors(graph: fx.Graph, names: dict | None = None) -> list[tuple[fx.No
 def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     scores = topk.args[0]
     sval = val(scores)
-    if not isinstance(sval, torch.Tensor) or sval.dim() != 2:
-        return "top-k over a non-2-D tensor (a group-selection step, not the expert choice)"
+    if not isinstance(sval, torch.Tensor) or sval.dim() < 2:
+        return "top-k over a tensor of fewer than 2 dims (not a per-token expert choice)"
+    if sval.dim() > 2 and _feeds_another_topk(topk):
+        return "top-k over %d-D scores feeds a later top-k (a group-selection step, not the expert choice)" % (
+            sval.dim())
     dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
-    if dim not in (-1, 1):
+    if dim not in (-1, sval.dim() - 1):
         return "top-k is not over the last dimension"
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     if not largest:
@@ -262,15 +265,23 @@ def ids_match(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def weights_match(got: torch.Tensor, cfg_w: torch.Tensor, cfg_ids: torch.Tensor, rtol: float) -> bool:
-    """``got`` is [T, k] (any order within a row) or a dense [T, E] scatter of the weights."""
+    """``got`` is [T, k] (any order within a row) or a dense [T, E] scatter of the weights, or that
+    dense tensor expert-major, [E, T] (Llama 4 transposes the scattered scores before the sigmoid).
+    The [E, T] reading is tried only for a 2-D ``got`` of that shape, after the [T, E] one."""
     num_tokens, top_k = cfg_w.shape
     got = got.float()
     if got.numel() == num_tokens * top_k:
         a = got.reshape(num_tokens, top_k).sort(dim=-1).values
-        b = cfg_w.sort(dim=-1).values
-    else:
-        a = got.reshape(num_tokens, -1)
-        b = torch.zeros_like(a).scatter_(1, cfg_ids.long(), cfg_w)
+        return _close(a, cfg_w.sort(dim=-1).values, rtol)
+    dense = got.reshape(num_tokens, -1)
+    want = torch.zeros_like(dense).scatter_(1, cfg_ids.long(), cfg_w)
+    if _close(dense, want, rtol):
+        return True
+    expert_major = got.dim() == 2 and tuple(got.shape) == (want.shape[1], num_tokens)
+    return expert_major and _close(got.t(), want, rtol)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * (b.abs().max().item() + 1e-6)))
 
 

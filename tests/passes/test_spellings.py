@@ -1,0 +1,236 @@
+"""Hand-written block spellings: expert names with more than one number, a Llama-4 router transposed
+before its sigmoid, a top-k over ``[B, S, E]`` scores, the reasons for experts the op cannot take,
+and the model that is itself the block."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_compile.explain import moe_like_modules
+
+from .helpers import explain_and_compare
+
+H, I, E, K = 32, 48, 8, 2
+
+
+def _loop(experts, x, weights, ids):
+    """The 4.x loop: ``torch.where`` per expert, ``index_add_`` of the weighted outputs."""
+    out = torch.zeros_like(x)
+    for e in range(len(experts)):
+        tok, slot = torch.where(ids == e)
+        out.index_add_(0, tok, experts[e](x[tok]) * weights[tok, slot, None])
+    return out
+
+
+class _FcExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc_1, self.fc_2 = nn.Linear(H, I), nn.Linear(I, H)
+
+    def forward(self, x):
+        return self.fc_2(F.gelu(self.fc_1(x)))
+
+
+class LoopMoE(nn.Module):
+    """``ModuleList`` experts whose parameter names hold a second number: ``experts.3.0.weight``
+    (``nn.Sequential``) or ``experts.3.fc_1.weight``."""
+
+    def __init__(self, expert: str):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        make = {"sequential": lambda: nn.Sequential(nn.Linear(H, I), nn.GELU(), nn.Linear(I, H)),
+                "fc_1": _FcExpert}[expert]
+        self.experts = nn.ModuleList([make() for _ in range(E)])
+
+    def forward(self, x):
+        weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        return _loop(self.experts, x, weights, ids)
+
+
+@pytest.mark.parametrize("expert", ["sequential", "fc_1"])
+def test_expert_index_is_any_number_in_the_name(expert):
+    torch.manual_seed(0)
+    report, diff = explain_and_compare(LoopMoE(expert).eval(), {"x": torch.randn(12, H)})
+    assert report.rewritten == [""], str(report)
+    assert diff <= 1e-4, (diff, str(report))
+
+
+class Llama4TransposedMoE(nn.Module):
+    """Llama 4's router with the scattered scores transposed to ``[E, T]`` before the sigmoid."""
+
+    def __init__(self, repeat: bool):
+        super().__init__()
+        self.repeat = repeat
+        self.router = nn.Linear(H, E, bias=False)
+        self.gate_up = nn.Parameter(torch.randn(E, H, 2 * I) * 0.1)
+        self.down = nn.Parameter(torch.randn(E, I, H) * 0.1)
+
+    def forward(self, x):
+        logits = self.router(x)
+        values, ids = torch.topk(logits, 1, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, ids, values).transpose(0, 1).sigmoid()
+        if self.repeat:
+            routed = (x.repeat(E, 1) * scores.reshape(-1, 1)).view(E, -1, H)
+        else:
+            routed = x.unsqueeze(0).expand(E, x.shape[0], H) * scores.unsqueeze(-1)
+        gate, up = torch.bmm(routed, self.gate_up).chunk(2, -1)
+        return torch.bmm(up * F.silu(gate), self.down).sum(0)
+
+
+@pytest.mark.parametrize("repeat", [False, True], ids=["expand", "repeat"])
+def test_llama4_router_transposed_before_the_sigmoid(repeat):
+    torch.manual_seed(0)
+    report, diff = explain_and_compare(Llama4TransposedMoE(repeat).eval(), {"x": torch.randn(12, H)})
+    assert report.rewritten == [""], str(report)
+    assert "topk→sigmoid" in str(report)
+    assert diff <= 1e-4, (diff, str(report))
+
+
+class Scores3DMoE(nn.Module):
+    """Never flattens its tokens: ``[B, S, E]`` router scores, top-k over them, 3-D gathers."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(H, E) * 0.2)
+        self.w1 = nn.Parameter(torch.randn(E, H, I) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(E, H, I) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, I, H) * 0.1)
+
+    def forward(self, x):
+        weights, ids = torch.topk((x @ self.router).softmax(dim=-1), K, dim=-1)    # [B, S, K]
+        weights = weights / weights.sum(-1, keepdim=True)
+        h = F.silu(torch.einsum("bsh,bskhi->bski", x, self.w1[ids])) * torch.einsum(
+            "bsh,bskhi->bski", x, self.w3[ids])
+        return (torch.einsum("bski,bskih->bskh", h, self.w2[ids]) * weights[..., None]).sum(-2)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.proj, self.mlp = nn.Linear(H, H), block
+
+    def forward(self, x):
+        return self.mlp(self.proj(x))
+
+
+@pytest.mark.parametrize("inner", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["root", "wrapped"])
+def test_top_k_over_3d_scores_is_rewritten(wrapped, inner):
+    torch.manual_seed(0)
+    model = (Wrapped(Scores3DMoE()) if wrapped else Scores3DMoE()).eval()
+    report, diff = explain_and_compare(model, {"x": torch.randn(2, 6, H)}, {"inner_compiler": inner})
+    assert report.rewritten == (["mlp"] if wrapped else [""]), str(report)
+    assert diff <= 1e-4, (diff, str(report))
+
+
+class Experts3D(nn.Module):
+    def __init__(self, act, gated=True, computed=False, normed=False):
+        super().__init__()
+        self.act, self.gated, self.normed = act, gated, normed
+        self.w13 = nn.Parameter(torch.randn(E, (2 if gated else 1) * I, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.1)
+        if computed:  # LoRA factors merged into w13 at run time
+            self.lora_a = nn.Parameter(torch.randn(E, self.w13.shape[1], 4) * 0.1)
+            self.lora_b = nn.Parameter(torch.randn(E, 4, H) * 0.1)
+
+    def mlp(self, e, x, w13):
+        h = F.linear(x, w13[e])
+        if self.gated:
+            gate, up = h.chunk(2, -1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        out = F.linear(h, self.w2[e])
+        return F.normalize(out, dim=-1) if self.normed else out
+
+
+class UnsupportedMoE(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.gate = nn.Linear(H, E, bias=False)
+        acts = {"relu_gated": (F.relu, True), "gelu_tanh": (lambda t: F.gelu(t, approximate="tanh"), False),
+                "computed": (F.silu, True), "normed": (F.silu, True)}
+        if kind in acts:
+            self.experts = Experts3D(*acts[kind], computed=kind == "computed", normed=kind == "normed")
+        elif kind == "one_linear":
+            self.up = nn.Linear(H, E * 2 * I, bias=False)
+            self.down = nn.Parameter(torch.randn(E, I, H) * 0.1)
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
+        if self.kind == "no_weights":
+            return x * (weights * (ids + 1)).sum(-1, keepdim=True)  # no expert weights at all
+        if self.kind == "one_linear":
+            gate, up = self.up(x).view(x.shape[0], E, 2 * I).chunk(2, -1)
+            y = torch.einsum("tei,eih->teh", F.silu(gate) * up, self.down)
+            return (y * torch.zeros(x.shape[0], E).scatter_add(1, ids, weights)[..., None]).sum(1)
+        ex = self.experts
+        w13 = ex.w13 + ex.lora_a @ ex.lora_b if self.kind == "computed" else ex.w13
+        out = torch.zeros_like(x)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            out.index_add_(0, tok, ex.mlp(e, x[tok], w13) * weights[tok, slot, None])
+        return out
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("relu_gated", ["expert weights [8, 96, 32], [8, 32, 48] found", "gated", "relu;", "no activation"]),
+    ("gelu_tanh", ["expert weights [8, 48, 32], [8, 32, 48] found", "non-gated", "gelu(approximate='tanh')"]),
+    ("computed", ["computed in the graph from parameters", "[8, 96, 32] by add"]),
+    ("one_linear", ["[8, 48, 32] found", "weight [768, 32] that holds all 8 experts in one matrix"]),
+    ("normed", ["[8, 96, 32], [8, 32, 48] found (read as gated experts, activations silu", "computes something"]),
+])
+def test_reason_says_what_the_experts_were(kind, words):
+    reason = _only_reason(kind)
+    assert all(w in reason for w in words) and "experts not captured" not in reason, reason
+
+
+def test_reason_keeps_not_captured_only_without_expert_weights():
+    assert _only_reason("no_weights") == (
+        "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)")
+    assert "not captured" not in _only_reason("relu_gated")
+
+
+def _only_reason(kind: str) -> str:
+    torch.manual_seed(0)
+    report, diff = explain_and_compare(UnsupportedMoE(kind).eval(), {"x": torch.randn(12, H)})
+    assert diff == 0.0 and not report.rewritten, str(report)
+    [(path, reason)] = report.skipped
+    assert path == "", str(report)
+    return reason
+
+
+@torch._dynamo.disable
+def _eager_router(gate, x):
+    return torch.topk(F.softmax(gate(x), dim=-1), K, dim=-1)
+
+
+class EagerRouterMoE(LoopMoE):
+    """The router runs outside every graph (``torch._dynamo.disable``): no graph holds a top-k."""
+
+    def __init__(self):
+        super().__init__("fc_1")
+
+    def forward(self, x):
+        weights, ids = _eager_router(self.gate, x)
+        return _loop(self.experts, x, weights, ids)
+
+
+def test_the_model_that_is_the_block_is_reported_when_no_graph_captures_it():
+    torch.manual_seed(0)
+    report, diff = explain_and_compare(EagerRouterMoE().eval(), {"x": torch.randn(12, H)})
+    assert diff <= 1e-5
+    assert [path for path, _ in report.skipped] == [""], str(report)
+    assert "no top-k router over its experts was captured" in report.skipped[0][1]
+
+
+def test_moe_like_modules_includes_the_root_only_when_it_is_the_block():
+    assert moe_like_modules(LoopMoE("fc_1")) == [""]              # holds experts
+    assert moe_like_modules(Wrapped(LoopMoE("fc_1"))) == ["mlp"]
+    root = type("TinyMoE", (nn.Module,), {})()                   # named like a block, holds none
+    assert moe_like_modules(root) == [""]
+    root.layer = type("InnerSparseMoeBlock", (nn.Module,), {})()  # a model named ...MoE holding blocks
+    assert moe_like_modules(root) == ["layer"]
