@@ -98,10 +98,19 @@ def fused_moe_impl(
     return _run(cfg, MoEInputs(hidden_states, router_logits, weights, e_score_correction_bias))
 
 
-def _group_by_name(name: Optional[str]):
+def _ep_size_by_name(name: Optional[str]) -> Optional[int]:
+    """The EP group's size at trace time; None when the name resolves to no live group here (a
+    graph traced for analysis, without torch.distributed): the fake then leaves the EP checks out,
+    and the op checks the group when it runs."""
+    if name is None:
+        return 1
     from moe_compile.distributed.groups import resolve_group
+    from moe_compile.ops.validation import group_size
 
-    return None if name is None else resolve_group(name)
+    try:
+        return group_size(resolve_group(name))
+    except (ValueError, RuntimeError):
+        return None
 
 
 @torch.library.custom_op("moe_compile::fused_moe", mutates_args=())
@@ -141,7 +150,7 @@ def _fused_moe_fake(hidden_states, router_logits, w13_weight, w2_weight, w13_bia
     validate_tensors(dict(
         hidden_states=hidden_states, router_logits=router_logits, w13_weight=w13_weight, w2_weight=w2_weight,
         w13_bias=w13_bias, w2_bias=w2_bias, e_score_correction_bias=e_score_correction_bias,
-        num_experts=num_experts, activation=activation, ep_group=_group_by_name(ep_group_name)))
+        num_experts=num_experts, activation=activation, ep_group=None, ep_size=_ep_size_by_name(ep_group_name)))
     # contiguous, like the real output (empty_like would copy a transposed input's strides)
     return hidden_states.new_empty(hidden_states.shape)
 
@@ -196,7 +205,7 @@ def _fused_experts_fake(hidden_states, topk_weights, topk_ids, w13_weight, w2_we
     validate_experts_tensors(dict(
         hidden_states=hidden_states, topk_weights=topk_weights, topk_ids=topk_ids, w13_weight=w13_weight,
         w2_weight=w2_weight, w13_bias=w13_bias, w2_bias=w2_bias, num_experts=num_experts, activation=activation,
-        ep_group=_group_by_name(ep_group_name)))
+        ep_group=None, ep_size=_ep_size_by_name(ep_group_name)))
     check_op_scalars({**locals(), **_ROUTING_DONE, "top_k": topk_ids.shape[-1]})
     # contiguous, like the real output (empty_like would copy a transposed input's strides)
     return hidden_states.new_empty(hidden_states.shape)

@@ -129,8 +129,8 @@ def validate_tensors(a: dict) -> None:
     _tensor("w2_weight", w2)
     for name in ("w13_bias", "w2_bias", "e_score_correction_bias"):
         _tensor(name, a[name], optional=True)
-    ep = group_size(a["ep_group"])
-    check_op_shapes(hs, rl, w13, w2, a["num_experts"], a["activation"], expert_parallel=ep > 1)
+    ep = _ep_size(a)
+    check_op_shapes(hs, rl, w13, w2, a["num_experts"], a["activation"], expert_parallel=ep is None or ep > 1)
     if hs.shape[:-1] != rl.shape[:-1]:
         raise ValueError(f"router_logits leading dims {tuple(rl.shape[:-1])} must match hidden_states leading dims "
                          f"{tuple(hs.shape[:-1])}.")
@@ -141,9 +141,9 @@ def validate_tensors(a: dict) -> None:
 def validate_experts_tensors(a: dict) -> None:
     """``moe_compile::fused_experts``' tensors (checked when it is traced): as :func:`validate_tensors`,
     with ``topk_weights``/``topk_ids`` [tokens, top_k] in place of the router logits."""
-    ep = group_size(a["ep_group"])
+    ep = _ep_size(a)
     check_op_shapes(a["hidden_states"], None, a["w13_weight"], a["w2_weight"], a["num_experts"], a["activation"],
-                    expert_parallel=ep > 1)
+                    expert_parallel=ep is None or ep > 1)
     check_topk(a["hidden_states"], a["topk_weights"], a["topk_ids"], a["num_experts"])
     _check_bias_shapes_and_ep(a, ep)
     _check_dtypes_devices(a)
@@ -213,7 +213,13 @@ def check_topk(hs, topk_weights, topk_ids, num_experts: int) -> None:
                          f"(shape {tuple(hs.shape)}).")
 
 
-def _check_bias_shapes_and_ep(a: dict, ep: int) -> None:
+def _ep_size(a: dict) -> int | None:
+    """The EP group's size; ``a["ep_size"]`` when given (None: a group named but not resolvable
+    here, e.g. a graph traced for analysis without torch.distributed, so the EP checks are left out)."""
+    return a["ep_size"] if "ep_size" in a else group_size(a["ep_group"])
+
+
+def _check_bias_shapes_and_ep(a: dict, ep: int | None) -> None:
     w13, num_experts = a["w13_weight"], a["num_experts"]
     local_e, hidden = w13.shape[0], a["hidden_states"].shape[-1]
     for name, expected in (("w13_bias", (local_e, w13.shape[2])), ("w2_bias", (local_e, hidden))):
@@ -223,7 +229,7 @@ def _check_bias_shapes_and_ep(a: dict, ep: int) -> None:
     bias = a.get("e_score_correction_bias")
     if bias is not None and tuple(bias.shape) != (num_experts,):
         raise ValueError(f"e_score_correction_bias must have shape ({num_experts},), but got {tuple(bias.shape)}.")
-    if ep > 1:
+    if ep is not None and ep > 1:
         if num_experts % ep:
             raise ValueError(f"num_experts={num_experts} must be divisible by the ep_group size {ep}.")
         if local_e != num_experts // ep:
