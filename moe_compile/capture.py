@@ -124,7 +124,8 @@ def _register_callbacks() -> None:
 
 
 def _keep_callbacks_across_reset() -> None:
-    """``torch._dynamo.reset()`` clears every compile callback; put ours back right after."""
+    """``torch._dynamo.reset()`` clears every compile callback; put ours back right after, and drop
+    the stacked weight copies of the graphs it forgets."""
     from torch._dynamo import callback_handler
 
     clear = callback_handler.clear
@@ -132,8 +133,11 @@ def _keep_callbacks_across_reset() -> None:
         return
 
     def clear_and_reregister() -> None:
+        from moe_compile.ops import weight_cache
+
         clear()
         _register_callbacks()
+        weight_cache.clear()  # the graphs that read the stacked copies are gone with Dynamo's caches
 
     clear_and_reregister._moe_compile = True
     callback_handler.clear = clear_and_reregister

@@ -122,6 +122,13 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def clear() -> None:
+    """Forget every copy (``torch._dynamo.reset()`` calls this: the compiled graphs that read them
+    are gone). Until then a copy lives as long as the process, like the compiled code that reads it;
+    its source tensors are held too, so their memory cannot be reused under a stale copy."""
+    _ENTRIES.clear()
+
+
 def refresh_weights() -> int:
     """Re-make, in place, every stacked copy whose source weights changed since it was made;
     returns how many were re-made. Needed only with CUDA graphs (replays run no Python); other

@@ -121,3 +121,17 @@ def test_cuda_copies_follow_updates(mode):
             assert moe_compile.refresh_weights() >= 2
         for _ in range(2):
             assert max_rel_diff(fast(x).clone(), block(x)) <= TOL[torch.bfloat16]
+
+
+def test_dynamo_reset_drops_the_copies():
+    block = _block(V4MoEBlock)
+    fast = _compiled(block, "aot_eager")
+    with torch.no_grad():
+        fast(_x(4))
+    assert weight_cache._ENTRIES
+    torch._dynamo.reset()
+    assert not weight_cache._ENTRIES
+    x = _x(4)
+    with torch.no_grad():  # compiles again, with new copies
+        assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
+    assert weight_cache._ENTRIES
