@@ -10,9 +10,10 @@ when they changed. So a compiled model follows its weights as the uncompiled one
 compiled graph serves several modules (regional compilation of each layer) with a copy each.
 The check costs about 0.2 µs per source tensor per call.
 
-Under CUDA graphs (``mode="reduce-overhead"``) a replay runs no Python: after changing weights
-in place, call ``moe_compile.refresh_weights()``, which re-makes every stale copy in place (same
-memory, so recorded graphs read the new values).
+Writes the version counters miss: a CUDA-graph replay runs no Python, ``p.data.copy_(new)``
+writes through ``.data`` (its own counter) and inference tensors have none. After such writes call
+``moe_compile.refresh_weights()``, which compares values and re-makes every stale copy in place
+(same memory, so recorded CUDA graphs read the new values).
 """
 from __future__ import annotations
 
@@ -130,14 +131,18 @@ def clear() -> None:
 
 
 def refresh_weights() -> int:
-    """Re-make, in place, every stacked copy whose source weights changed since it was made;
-    returns how many were re-made. Needed only with CUDA graphs (replays run no Python); other
-    calls refresh their copies themselves."""
+    """Re-make, in place, every stacked copy whose source weights changed since it was made, by
+    comparing values; returns how many were re-made. Each call of a compiled graph already checks
+    its copies' version counters; call this after writes that those miss: with CUDA graphs (a
+    replay runs no Python), through ``param.data`` (``p.data.copy_(new)``: ``.data`` has its own
+    version counter), or on inference tensors (made under ``inference_mode``: no version counter)."""
     done = 0
-    for entry in _ENTRIES.values():
-        for copy in entry.copies.values():
-            versions = _versions(copy.parts)
-            if versions != copy.versions:
-                _refresh(entry, copy, versions)
-                done += 1
+    with torch.no_grad():
+        for entry in _ENTRIES.values():
+            for copy in entry.copies.values():
+                fresh = held_layout(_build(entry.recipe, copy.parts))
+                if not torch.equal(fresh, copy.value):
+                    copy.value.copy_(fresh)
+                    done += 1
+                copy.versions = _versions(copy.parts)
     return done

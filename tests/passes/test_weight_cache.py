@@ -135,3 +135,26 @@ def test_dynamo_reset_drops_the_copies():
     with torch.no_grad():  # compiles again, with new copies
         assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
     assert weight_cache._ENTRIES
+
+
+@pytest.mark.parametrize("how", ["data", "inference_mode"])
+def test_writes_the_version_counters_miss_are_caught_by_refresh_weights(how):
+    """``p.data.copy_()`` (RL weight syncs) and inference tensors bypass the per-call version
+    check; ``refresh_weights()`` compares values and re-makes the stale copies."""
+    torch.manual_seed(0)
+    if how == "inference_mode":
+        with torch.inference_mode():
+            block = _block(V4MoEBlock)
+    else:
+        block = _block(V4MoEBlock)
+    x = _x(6)
+    fast = _compiled(block, "aot_eager")
+    new = _block(V4MoEBlock, seed=3).state_dict()
+    with torch.inference_mode() if how == "inference_mode" else torch.no_grad():
+        fast(x)
+        for name, p in block.named_parameters():
+            (p.data if how == "data" else p).copy_(new[name])
+        assert max_rel_diff(fast(x), block(x)) > 0.1  # missed by the version check
+        assert moe_compile.refresh_weights() == 2  # w13 and w2 of the one block
+        assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
+        assert moe_compile.refresh_weights() == 0
