@@ -76,6 +76,11 @@ def _group(name: str, value):
         return None
     import torch.distributed as dist
 
+    if dist.is_available() and value is dist.GroupMember.NON_GROUP_MEMBER:
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        raise ValueError("options[%r] is GroupMember.NON_GROUP_MEMBER: this rank (global rank %s) is not in "
+                         "the group (torch.distributed.new_group returns that value on ranks outside it); "
+                         "pass the group only on its member ranks" % (name, rank))
     if not (dist.is_available() and isinstance(value, dist.ProcessGroup)):
         raise TypeError("options[%r] must be a torch.distributed.ProcessGroup, but got %s"
                         % (name, type(value).__name__))

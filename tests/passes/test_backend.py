@@ -171,3 +171,15 @@ def test_cuda_graph_compiles_of_graphs_with_data_dependent_shapes_get_no_partiti
         with inductor_config.patch({"graph_partition": True, "triton.cudagraphs": cudagraphs}):
             _no_partitions_for_data_dependent_graphs(graph)
             assert inductor_config.graph_partition is partitions
+
+
+@pytest.mark.parametrize("key", ["ep_group", "tp_group"])
+def test_a_group_this_rank_is_not_in_is_named_as_such(key):
+    """``dist.new_group`` hands ranks outside the group ``GroupMember.NON_GROUP_MEMBER`` (an int);
+    the error said only "must be a ProcessGroup, but got int"."""
+    import torch.distributed as dist
+
+    from moe_compile.options import parse_options
+
+    with pytest.raises(ValueError, match=r"options\['%s'\] is GroupMember.NON_GROUP_MEMBER: this rank" % key):
+        parse_options({key: dist.GroupMember.NON_GROUP_MEMBER})
