@@ -67,6 +67,10 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
     if mode is not None:
         config = _with_mode(config, mode)
     inner = config.resolved_inner(_device_type(example_inputs))
+    if inner is InnerCompiler.TORCHAIR:
+        from moe_compile.lowering.torchair import real_torch_npu
+
+        real_torch_npu()  # its error as it is: TorchAir cannot run here, with or without the pass
     if _needs_autograd(example_inputs):
         from moe_compile.report import BlockDecision, record
 
@@ -163,11 +167,15 @@ def _graphs_done(config: BackendConfig, before: str, after: str) -> None:
     if config.dump_dir:
         import os
 
-        os.makedirs(config.dump_dir, exist_ok=True)
         index = next(_dump_counter)
-        for tag, text in (("before", before), ("after", after)):
-            with open(os.path.join(config.dump_dir, "moe_npu_graph%d_%s.txt" % (index, tag)), "w") as fh:
-                fh.write(text)
+        try:
+            os.makedirs(config.dump_dir, exist_ok=True)
+            for tag, text in (("before", before), ("after", after)):
+                with open(os.path.join(config.dump_dir, "moe_npu_graph%d_%s.txt" % (index, tag)), "w") as fh:
+                    fh.write(text)
+        except OSError as exc:  # a debug output: the rewrite stands
+            _warn_once("dump_dir", "moe_compile: cannot write graphs to dump_dir=%r (%s: %s); the rewrite "
+                       "is kept", config.dump_dir, type(exc).__name__, exc)
 
 
 def _no_partitions_for_data_dependent_graphs(graph) -> None:

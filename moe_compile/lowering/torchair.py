@@ -129,6 +129,20 @@ def make_torchair_backend(torchair, mode, torch_npu_version, moe_pass=None):
     return torchair.get_npu_backend(compiler_config=config, custom_decompositions=npu_decompositions())
 
 
+def real_torch_npu():
+    """torch_npu, or the error that TorchAir cannot run here (ImportError without torch_npu; a
+    RuntimeError under the CPU emulation). The backend asks first, so a missing prerequisite is
+    not reported as a failure of the MoE pass."""
+    from moe_compile.lowering.npu_routing import import_torch_npu
+    from moe_compile.testing.emulated_npu import is_emulated_torch_npu
+
+    torch_npu = import_torch_npu()
+    if is_emulated_torch_npu(torch_npu):
+        raise RuntimeError("TorchAir needs the real torch_npu (with CANN); the CPU emulation cannot compile "
+                           "through it. Use inner_compiler='aot_eager' under emulated_npu().")
+    return torch_npu
+
+
 def compile_with_torchair(gm: fx.GraphModule, example_inputs, mode="max-autotune", moe_pass=None):
     """Compile a Dynamo graph with TorchAir; returns the compiled callable.
 
@@ -137,13 +151,7 @@ def compile_with_torchair(gm: fx.GraphModule, example_inputs, mode="max-autotune
     aten graph (``moe_pass(gm.graph)``) before the fused ops are decomposed.
     """
     mode = _mode_of(mode)
-    from moe_compile.lowering.npu_routing import import_torch_npu
-    from moe_compile.testing.emulated_npu import is_emulated_torch_npu
-
-    torch_npu = import_torch_npu()
-    if is_emulated_torch_npu(torch_npu):
-        raise RuntimeError("TorchAir needs the real torch_npu (with CANN); the CPU emulation cannot compile "
-                           "through it. Use inner_compiler='aot_eager' under emulated_npu().")
+    torch_npu = real_torch_npu()
     import torchair  # installed by torch_npu.dynamo as a lazy proxy (notes §3.1)
 
     log.info("compiling with TorchAir mode=%s (torch_npu %s)", mode.value, torch_npu.__version__)

@@ -183,3 +183,40 @@ def test_a_group_this_rank_is_not_in_is_named_as_such(key):
 
     with pytest.raises(ValueError, match=r"options\['%s'\] is GroupMember.NON_GROUP_MEMBER: this rank" % key):
         parse_options({key: dist.GroupMember.NON_GROUP_MEMBER})
+
+
+@pytest.mark.expects_fallback
+def test_an_unwritable_dump_dir_warns_and_keeps_the_rewrite(tmp_path, monkeypatch):
+    """``dump_dir`` is a debug output: a path that cannot be written (here under a regular file)
+    used to count as a failed pass and throw the rewrite away."""
+    from moe_compile.testing import zoo
+
+    monkeypatch.setattr("moe_compile.backend._warned", set())
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    model, _ = zoo.build_model("qwen3_moe")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"inner_compiler": "aot_eager", "dump_dir": str(blocker / "sub")}
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="cannot write graphs to dump_dir"):
+        torch.compile(model, backend="moe_npu", options=options)(**zoo.build_inputs("qwen3_moe", num_tokens=5))
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["rewritten"] == 2 and counters["pass_failed"] == 0, dict(counters)
+
+
+def test_torchair_without_torch_npu_is_not_a_pass_failure():
+    """The default inner compiler for lowering='npu' is TorchAir; without torch_npu its ImportError
+    comes as it is, not after a "the MoE pass failed" warning and a pass_failed count."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed here")
+    from moe_compile.testing import zoo
+
+    model, _ = zoo.build_model("qwen3_moe")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="moe_npu", options={"lowering": "npu"})
+    with torch.no_grad(), pytest.raises(Exception, match="needs torch_npu"):
+        compiled(**zoo.build_inputs("qwen3_moe", num_tokens=5))
+    assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
