@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-# recipe: ("leaf", i) | ("stack", (i, ...)) | ("cat", (recipe, ...)), each with a transpose flag:
-# (kind, payload, transpose). The copy is held with its last two dims swapped (see rewrite.py).
+# recipe: ("leaf", i) | ("stack", (i, ...)) | ("cat", (recipe, ...)) | ("shard", ((w13, w2, b13, b2
+# recipes), shard_for_groups kwargs, field)), each with a transpose flag: (kind, payload, transpose).
+# The copy is held with its last two dims swapped (see rewrite.py).
 Recipe = tuple
 
 
@@ -46,6 +47,12 @@ _keys = itertools.count()
 
 def _build(recipe: Recipe, parts) -> torch.Tensor:
     kind, payload, transpose = recipe
+    if kind == "shard":  # one field of this rank's EP/TP share of the four expert tensors
+        from moe_compile.distributed import shard_for_groups
+
+        recipes, kwargs, name = payload
+        full = [None if r is None else _build(r, parts) for r in recipes]
+        return getattr(shard_for_groups(*full, **kwargs), name)
     if kind == "cat":
         t = torch.cat([_build(r, parts) for r in payload], dim=-1)
     elif kind == "stack":

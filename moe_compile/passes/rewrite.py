@@ -4,8 +4,8 @@ Weights reach the op as views of the graph inputs (a ``permute`` when the model 
 transposed), so nothing is copied per call. Only blocks whose gate and up projections are
 separate tensors (``ModuleList`` experts, gpt-fast's w1/w3) need one stacked copy: made once at
 compile time by ``moe_compile::stacked_weights`` from the source weights (graph inputs), which
-re-makes it when they change in place (ops/weight_cache.py). Weights that are not graph inputs,
-and EP/TP shards, are copies taken at compile time.
+re-makes it when they change in place (ops/weight_cache.py); EP/TP shards are made the same way.
+Weights that are not graph inputs are copies taken at compile time.
 """
 from __future__ import annotations
 
@@ -89,14 +89,12 @@ def _recipe(source: WeightSource, index: dict) -> tuple:
     return ("leaf", index[source.nodes[0]], source.transpose)
 
 
-def _stacked(gm: fx.GraphModule, source: WeightSource, values: dict, template: fx.Node) -> fx.Node:
-    """A stacked copy of separate expert weights, made by ``moe_compile::stacked_weights`` from the
-    source weights themselves, so it follows them when they change (ops/weight_cache.py)."""
+def _cached(gm: fx.GraphModule, recipe: tuple, leaves: list, values: dict, template: fx.Node) -> fx.Node:
+    """A copy made by ``moe_compile::stacked_weights`` from the source weights themselves (graph
+    inputs), so it follows them when they change (ops/weight_cache.py)."""
     from moe_compile.ops import weight_cache
 
-    leaves = _leaves(source, [])
-    key, held, dim = weight_cache.register(_recipe(source, {n: i for i, n in enumerate(leaves)}),
-                                           [values[n] for n in leaves])
+    key, held, dim = weight_cache.register(recipe, [values[n] for n in leaves])
     node = gm.graph.call_function(torch.ops.moe_compile.stacked_weights.default, (leaves, key))
     fake_mode = _fake_mode(template)
     if fake_mode is not None:
@@ -105,6 +103,12 @@ def _stacked(gm: fx.GraphModule, source: WeightSource, values: dict, template: f
         return _call(gm.graph, aten.squeeze.dim, (node, 1), template)
     dims = list(range(dim - 2)) + [dim - 1, dim - 2]
     return _call(gm.graph, aten.permute.default, (node, dims), template)
+
+
+def _stacked(gm: fx.GraphModule, source: WeightSource, values: dict, template: fx.Node) -> fx.Node:
+    """A stacked copy of separate expert weights."""
+    leaves = _leaves(source, [])
+    return _cached(gm, _recipe(source, {n: i for i, n in enumerate(leaves)}), leaves, values, template)
 
 
 def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, template: fx.Node):
@@ -121,17 +125,29 @@ def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, t
 
 
 def _sharded_weights(gm, match: BlockMatch, values: dict, groups: dict, template: fx.Node):
-    """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice),
-    held by the compiled module; the router and the selection bias stay global."""
+    """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice); the
+    router and the selection bias stay global. Made from the model's weights by
+    ``moe_compile::stacked_weights`` when they are graph inputs (so the shards follow them), else
+    copies taken now."""
     from moe_compile.distributed import shard_for_groups
 
     choice = match.experts
-    real = [None if s is None else s.real(values) for s in (choice.w13, choice.w2, choice.b13, choice.b2)]
-    shard = shard_for_groups(*real, ep_group=groups.get("ep_group"), tp_group=groups.get("tp_group"),
-                             activation=choice.config.activation.value,
-                             gate_up_interleaved=choice.config.gate_up_interleaved)
-    return [None if t is None else _constant(gm, t, template)
-            for t in (shard.w13, shard.w2, shard.w13_bias, shard.w2_bias)]
+    sources = (choice.w13, choice.w2, choice.b13, choice.b2)
+    kwargs = dict(ep_group=groups.get("ep_group"), tp_group=groups.get("tp_group"),
+                  activation=choice.config.activation.value, gate_up_interleaved=choice.config.gate_up_interleaved)
+    real = [None if s is None else s.real(values) for s in sources]
+    shard = shard_for_groups(*real, **kwargs)
+    fields = ("w13", "w2", "w13_bias", "w2_bias")
+    leaves = []
+    for source in sources:
+        if source is not None:
+            _leaves(source, leaves)
+    if not all(n.op == "placeholder" for n in leaves):
+        return [None if getattr(shard, f) is None else _constant(gm, getattr(shard, f), template) for f in fields]
+    index = {n: i for i, n in enumerate(leaves)}
+    recipes = tuple(None if s is None else _recipe(s, index) for s in sources)
+    return [None if getattr(shard, f) is None else _cached(gm, ("shard", (recipes, kwargs, f), False), leaves,
+                                                           values, template) for f in fields]
 
 
 def upcast_source(node: fx.Node) -> fx.Node | None:

@@ -137,15 +137,23 @@ def _mixtral_backend() -> None:
     with torch.no_grad():
         ref = model(ids).logits
         # and through Inductor, the default inner compiler (it lowers the sharded weights the graph owns)
-        for inner in ("aot_eager", "inductor"):
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        for inner, group in (("aot_eager", "ep_group"), ("inductor", "ep_group"), ("aot_eager", "tp_group")):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            compiled = torch.compile(model, backend="moe_npu",
-                                     options={"ep_group": dist.group.WORLD, "inner_compiler": inner})
+            options = {group: dist.group.WORLD, "inner_compiler": inner}
+            compiled = torch.compile(model, backend="moe_npu", options=options)
             torch.testing.assert_close(compiled(ids).logits, ref, **TOL, msg=lambda m, i=inner: f"{i}: {m}")
             counters = torch._dynamo.utils.counters["moe_compile"]
             assert counters["pass_failed"] == 0, "%s: the compile fell back to the original graph" % inner
             assert counters["rewritten"] == len(model.model.layers), "%s: %s" % (inner, dict(counters))
+            # the shards are made from the model's weights and follow in-place updates
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    p.mul_(1.5)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, **TOL,
+                                       msg=lambda m, i=inner, g=group: f"{i} {g} after an in-place update: {m}")
+            model.load_state_dict(saved)
 
 
 def compile_report(rank: int) -> dict:
