@@ -3,13 +3,15 @@
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --ab-helpers   # the whole op with triton's helpers vs ours, alternated
 
-Four figures, each the mean of many calls on this CPU:
+These figures, each the mean of many calls on this CPU:
 
 - ``eager fused_moe()``: with the lowering replaced by a clone, i.e. argument validation, config
   parsing and the op's Python body (plain eager calls skip the custom-op dispatch, sixteenth
   session);
 - ``custom-op dispatch``: ``torch.ops.moe_compile.fused_moe`` directly (what a compiled graph
-  calls), minus the op's Python body;
+  calls), minus the op's Python body; of it, the op's per-call shape checks (nineteenth session);
+- ``stacked_weights``: the op that keeps a ``ModuleList`` block's stacked weights in step with the
+  model, on a call where no source changed (its version check; nineteenth session);
 - ``tuned-plan lookup``: the plan the CUDA experts look up on every call, cached as it runs and with
   the cache bypassed (twelfth session: the cache);
 - ``host helpers``: one call of ``triton.cdiv`` / ``triton.next_power_of_2`` against the plain
@@ -83,6 +85,25 @@ def dispatch_figures() -> None:
     print(f"eager fused_moe() (lowering replaced by a clone):    {whole:8.1f} us")
     print(f"  of which validation and argument parsing:           {whole - body:8.1f} us")
     print(f"custom-op dispatch (torch.ops, as a compiled graph):  {op - body:8.1f} us")
+    from moe_compile.ops.validation import check_op_shapes
+
+    checks = mean_us(lambda: check_op_shapes(x, logits, w13, w2, e, "silu", expert_parallel=False), 20000)
+    print(f"  of which the op's per-call shape checks:            {checks:8.1f} us")
+    stacked_figure()
+
+
+def stacked_figure() -> None:
+    """``moe_compile::stacked_weights`` on a hit (no source changed), for an 8-expert ModuleList block
+    (24 source tensors: gate, up and down of each expert; w13 and w2 out): the one call per block."""
+    import torch
+
+    from moe_compile.ops import weight_cache
+
+    parts = [torch.randn(32, 64) for _ in range(16)] + [torch.randn(64, 32) for _ in range(8)]
+    w13 = ("cat", (("stack", tuple(range(8)), True), ("stack", tuple(range(8, 16)), True)), False)
+    key, _, _ = weight_cache.register([w13, ("stack", tuple(range(16, 24)), True)], parts)
+    us = mean_us(lambda: torch.ops.moe_compile.stacked_weights(parts, key), 20000)
+    print(f"stacked_weights, a block's 24 sources unchanged:     {us:8.1f} us")
 
 
 def plan_lookup_figures() -> None:

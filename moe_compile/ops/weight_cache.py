@@ -2,13 +2,14 @@
 (``ModuleList`` experts, gpt-fast's separate ``w1``/``w3``): one stacked copy per set of source
 tensors, kept in step with them.
 
-The rewritten graph calls ``moe_compile::stacked_weights(parts, key)`` with the source weights
-themselves (graph inputs). The copy is made once, at compile time; each call then compares the
-sources' version counters (bumped by every in-place write: ``p.mul_()``, ``load_state_dict``,
-an optimizer step, an RL weight sync) with those the copy was made from, and re-makes it in place
-when they changed. So a compiled model follows its weights as the uncompiled one does, and one
-compiled graph serves several modules (regional compilation of each layer) with a copy each.
-The check costs about 0.2 µs per source tensor per call.
+The rewritten graph calls ``moe_compile::stacked_weights(parts, key)`` once per block with the
+source weights themselves (graph inputs); it returns every copy the block reads. The copies are
+made once, at compile time; each call then compares the sources' version counters (bumped by
+every in-place write: ``p.mul_()``, ``load_state_dict``, an optimizer step) with those the copies
+were made from, and re-makes them in place when they changed. So a compiled model follows its
+weights as the uncompiled one does, and one compiled graph serves several modules (regional
+compilation of each layer) with copies each. A call costs about 20 µs of host time, mostly the
+custom-op dispatch (``benchmarks/host_overhead.py``).
 
 Writes the version counters miss: a CUDA-graph replay runs no Python, ``p.data.copy_(new)``
 writes through ``.data`` (its own counter) and inference tensors have none. After such writes call
@@ -32,12 +33,12 @@ Recipe = tuple
 class _Copy:
     parts: tuple  # the source tensors (strong references: their memory cannot be reused under us)
     versions: tuple
-    value: torch.Tensor
+    values: list  # one held tensor per recipe
 
 
 @dataclass
 class _Entry:
-    recipe: Recipe
+    recipes: tuple  # one per tensor a block needs (w13, w2 and their biases, or their shards)
     copies: dict = field(default_factory=dict)  # tuple of source data_ptrs -> _Copy
 
 
@@ -65,7 +66,8 @@ def _build(recipe: Recipe, parts) -> torch.Tensor:
 def held_layout(t: torch.Tensor) -> torch.Tensor:
     """How a copy is held: weights ``[E, K, N]`` as ``[E, N, K]``, biases ``[E, N]`` as ``[E, 1, N]``."""
     t = t.detach()
-    return t.transpose(-1, -2).contiguous() if t.dim() >= 3 else t.unsqueeze(1).contiguous()
+    t = t.transpose(-1, -2) if t.dim() >= 3 else t.unsqueeze(1)
+    return t.clone(memory_format=torch.contiguous_format)  # never the source itself (the op may not alias it)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -79,27 +81,32 @@ def _versions(parts) -> tuple:
     return tuple(_version(p) for p in parts)
 
 
-def register(recipe: Recipe, parts) -> tuple[int, torch.Tensor, int]:
-    """A new key for ``recipe``, the copy made now from ``parts`` (the compile-time weights) and
-    the number of dims of what it holds (3: weights, 2: biases)."""
-    key = next(_keys)
-    entry = _Entry(recipe)
-    _ENTRIES[key] = entry
+def _make(recipes: tuple, parts) -> list:
     with torch.no_grad():
-        built = _build(recipe, parts)
-        value = held_layout(built)
-    entry.copies[tuple(p.data_ptr() for p in parts)] = _Copy(tuple(parts), _versions(parts), value)
-    return key, value, built.dim()
+        return [held_layout(_build(r, parts)) for r in recipes]
+
+
+def register(recipes: tuple, parts) -> tuple[int, list, list]:
+    """A new key for a block's ``recipes``, the copies made now from ``parts`` (the compile-time
+    weights), and the number of dims each one is made from (3: weights, 2: biases)."""
+    key = next(_keys)
+    entry = _ENTRIES[key] = _Entry(tuple(recipes))
+    with torch.no_grad():
+        built = [_build(r, parts) for r in entry.recipes]
+        values = [held_layout(b) for b in built]
+    entry.copies[tuple(p.data_ptr() for p in parts)] = _Copy(tuple(parts), _versions(parts), values)
+    return key, values, [b.dim() for b in built]
 
 
 def _refresh(entry: _Entry, copy: _Copy, versions: tuple) -> None:
-    with torch.no_grad():
-        copy.value.copy_(held_layout(_build(entry.recipe, copy.parts)))
+    for value, fresh in zip(copy.values, _make(entry.recipes, copy.parts)):
+        value.copy_(fresh)
     copy.versions = versions
 
 
 @torch.library.custom_op("moe_compile::stacked_weights", mutates_args=())
-def stacked_weights(parts: list[torch.Tensor], key: int) -> torch.Tensor:
+def stacked_weights(parts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+    """Every copy one block reads, in one call (one dispatch per block, not per tensor)."""
     entry = _ENTRIES.get(key)
     if entry is None:
         raise RuntimeError(f"moe_compile::stacked_weights: no weights registered under key {key} "
@@ -107,23 +114,20 @@ def stacked_weights(parts: list[torch.Tensor], key: int) -> torch.Tensor:
     ptrs = tuple(p.data_ptr() for p in parts)
     copy = entry.copies.get(ptrs)
     if copy is None:  # another module through the same compiled graph
-        with torch.no_grad():
-            value = held_layout(_build(entry.recipe, parts))
-        copy = entry.copies[ptrs] = _Copy(tuple(p.detach() for p in parts), _versions(parts), value)
+        copy = entry.copies[ptrs] = _Copy(tuple(p.detach() for p in parts), _versions(parts),
+                                          _make(entry.recipes, parts))
     else:
         versions = _versions(parts)
         if versions != copy.versions and not _capturing(parts[0]):
             _refresh(entry, copy, versions)
-    # the cached tensor itself: the op is declared functional, and no consumer writes into it
-    return copy.value
+    # the cached tensors themselves: the op is declared functional, and no consumer writes into them
+    return list(copy.values)
 
 
 @stacked_weights.register_fake
 def _stacked_weights_fake(parts, key):
-    first = parts[0]
     probe = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-    shape = held_layout(_build(_ENTRIES[key].recipe, probe)).shape
-    return first.new_empty(shape)
+    return [parts[0].new_empty(held_layout(_build(r, probe)).shape) for r in _ENTRIES[key].recipes]
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -139,17 +143,16 @@ def clear() -> None:
 
 def refresh_weights() -> int:
     """Re-make, in place, every stacked copy whose source weights changed since it was made, by
-    comparing values; returns how many were re-made. Each call of a compiled graph already checks
-    its copies' version counters; call this after writes that those miss: with CUDA graphs (a
+    comparing values; returns how many tensors were re-made. Each call of a compiled graph already
+    checks its copies' version counters; call this after writes that those miss: with CUDA graphs (a
     replay runs no Python), through ``param.data`` (``p.data.copy_(new)``: ``.data`` has its own
     version counter), or on inference tensors (made under ``inference_mode``: no version counter)."""
     done = 0
-    with torch.no_grad():
-        for entry in _ENTRIES.values():
-            for copy in entry.copies.values():
-                fresh = held_layout(_build(entry.recipe, copy.parts))
-                if not torch.equal(fresh, copy.value):
-                    copy.value.copy_(fresh)
+    for entry in _ENTRIES.values():
+        for copy in entry.copies.values():
+            for value, fresh in zip(copy.values, _make(entry.recipes, copy.parts)):
+                if not torch.equal(fresh, value):
+                    value.copy_(fresh)
                     done += 1
-                copy.versions = _versions(copy.parts)
+            copy.versions = _versions(copy.parts)
     return done

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 
 import torch
 import torch.fx as fx
@@ -89,34 +90,33 @@ def _recipe(source: WeightSource, index: dict) -> tuple:
     return ("leaf", index[source.nodes[0]], source.transpose)
 
 
-def _cached(gm: fx.GraphModule, recipe: tuple, leaves: list, values: dict, template: fx.Node) -> fx.Node:
-    """A copy made by ``moe_compile::stacked_weights`` from the source weights themselves (graph
-    inputs), so it follows them when they change (ops/weight_cache.py)."""
+def _cached(gm: fx.GraphModule, recipes: list, leaves: list, values: dict, template: fx.Node) -> list[fx.Node]:
+    """Copies made by one ``moe_compile::stacked_weights`` call from the source weights themselves
+    (graph inputs), so they follow them when they change (ops/weight_cache.py); one call per block."""
     from moe_compile.ops import weight_cache
 
-    key, held, dim = weight_cache.register(recipe, [values[n] for n in leaves])
+    key, held, dims = weight_cache.register(recipes, [values[n] for n in leaves])
     node = gm.graph.call_function(torch.ops.moe_compile.stacked_weights.default, (leaves, key))
     fake_mode = _fake_mode(template)
     if fake_mode is not None:
-        node.meta["val"] = fake_mode.from_tensor(held, static_shapes=True)
-    if dim < 3:
-        return _call(gm.graph, aten.squeeze.dim, (node, 1), template)
-    dims = list(range(dim - 2)) + [dim - 1, dim - 2]
-    return _call(gm.graph, aten.permute.default, (node, dims), template)
+        node.meta["val"] = [fake_mode.from_tensor(h, static_shapes=True) for h in held]
+    out = []
+    for i, dim in enumerate(dims):
+        item = gm.graph.call_function(operator.getitem, (node, i))
+        if fake_mode is not None:
+            item.meta["val"] = node.meta["val"][i]
+        if dim < 3:
+            out.append(_call(gm.graph, aten.squeeze.dim, (item, 1), template))
+        else:
+            out.append(_call(gm.graph, aten.permute.default, (item, list(range(dim - 2)) + [dim - 1, dim - 2]),
+                             template))
+    return out
 
 
-def _stacked(gm: fx.GraphModule, source: WeightSource, values: dict, template: fx.Node) -> fx.Node:
-    """A stacked copy of separate expert weights."""
-    leaves = _leaves(source, [])
-    return _cached(gm, _recipe(source, {n: i for i, n in enumerate(leaves)}), leaves, values, template)
-
-
-def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, template: fx.Node):
+def _view_or_constant(gm: fx.GraphModule, source: WeightSource | None, values: dict, template: fx.Node):
     if source is None:
         return None
     if source.copies:
-        if all(n.op == "placeholder" for n in _leaves(source, [])):
-            return _stacked(gm, source, values, template)
         return _constant(gm, source.real(values), template)
     node = source.nodes[0]
     if not source.transpose:
@@ -124,30 +124,50 @@ def emit_weight(gm: fx.GraphModule, source: WeightSource | None, values: dict, t
     return _call(gm.graph, aten.permute.default, (node, [0, 2, 1]), template)
 
 
+def _graph_input_leaves(sources) -> list | None:
+    """The graph inputs the sources are made from, in order; None if any is not a graph input."""
+    leaves = []
+    for source in sources:
+        if source is not None:
+            _leaves(source, leaves)
+    return leaves if all(n.op == "placeholder" for n in leaves) else None
+
+
+def emit_weights(gm: fx.GraphModule, sources: tuple, values: dict, template: fx.Node) -> list:
+    """The op's (w13, w2, w13_bias, w2_bias): views of graph inputs where the model's layout allows,
+    and the stacked copies (separate gate/up tensors) from one ``stacked_weights`` call."""
+    copied = [s for s in sources if s is not None and s.copies]
+    leaves = _graph_input_leaves(copied) if copied else None
+    if not leaves:
+        return [_view_or_constant(gm, s, values, template) for s in sources]
+    index = {n: i for i, n in enumerate(leaves)}
+    made = iter(_cached(gm, [_recipe(s, index) for s in copied], leaves, values, template))
+    return [next(made) if s is not None and s.copies else _view_or_constant(gm, s, values, template)
+            for s in sources]
+
+
 def _sharded_weights(gm, match: BlockMatch, values: dict, groups: dict, template: fx.Node):
     """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice); the
-    router and the selection bias stay global. Made from the model's weights by
-    ``moe_compile::stacked_weights`` when they are graph inputs (so the shards follow them), else
-    copies taken now."""
+    router and the selection bias stay global. Made from the model's weights by one
+    ``moe_compile::stacked_weights`` call when they are graph inputs (so the shards follow them),
+    else copies taken now."""
     from moe_compile.distributed import shard_for_groups
 
     choice = match.experts
     sources = (choice.w13, choice.w2, choice.b13, choice.b2)
     kwargs = dict(ep_group=groups.get("ep_group"), tp_group=groups.get("tp_group"),
                   activation=choice.config.activation.value, gate_up_interleaved=choice.config.gate_up_interleaved)
-    real = [None if s is None else s.real(values) for s in sources]
-    shard = shard_for_groups(*real, **kwargs)
-    fields = ("w13", "w2", "w13_bias", "w2_bias")
-    leaves = []
-    for source in sources:
-        if source is not None:
-            _leaves(source, leaves)
-    if not all(n.op == "placeholder" for n in leaves):
-        return [None if getattr(shard, f) is None else _constant(gm, getattr(shard, f), template) for f in fields]
-    index = {n: i for i, n in enumerate(leaves)}
-    recipes = tuple(None if s is None else _recipe(s, index) for s in sources)
-    return [None if getattr(shard, f) is None else _cached(gm, ("shard", (recipes, kwargs, f), False), leaves,
-                                                           values, template) for f in fields]
+    shard = shard_for_groups(*[None if s is None else s.real(values) for s in sources], **kwargs)
+    fields = [f for f in ("w13", "w2", "w13_bias", "w2_bias") if getattr(shard, f) is not None]
+    leaves = _graph_input_leaves(sources)
+    if leaves is None:
+        made = {f: _constant(gm, getattr(shard, f), template) for f in fields}
+    else:
+        index = {n: i for i, n in enumerate(leaves)}
+        recipes = tuple(None if s is None else _recipe(s, index) for s in sources)
+        made = dict(zip(fields, _cached(gm, [("shard", (recipes, kwargs, f), False) for f in fields], leaves,
+                                        values, template)))
+    return [made.get(f) for f in ("w13", "w2", "w13_bias", "w2_bias")]
 
 
 def upcast_source(node: fx.Node) -> fx.Node | None:
@@ -238,10 +258,8 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
         if groups:
             w13, w2, b13, b2 = _sharded_weights(gm, match, values, groups, anchor.x)
         else:
-            w13 = emit_weight(gm, match.experts.w13, values, anchor.x)
-            w2 = emit_weight(gm, match.experts.w2, values, anchor.x)
-            b13 = emit_weight(gm, match.experts.b13, values, anchor.x)
-            b2 = emit_weight(gm, match.experts.b2, values, anchor.x)
+            choice = match.experts
+            w13, w2, b13, b2 = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, anchor.x)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias

@@ -75,28 +75,28 @@ def test_refresh_weights_remakes_stale_copies_in_place():
         fast(x)
         copies = [c for e in weight_cache._ENTRIES.values() for c in e.copies.values()
                   if any(p.data_ptr() == block.experts[0].w1.weight.data_ptr() for p in c.parts)]
-        assert len(copies) == 1
-        before = copies[0].value.data_ptr()
+        assert len(copies) == 1 and len(copies[0].values) == 2  # w13 and w2, from one call per block
+        before = [v.data_ptr() for v in copies[0].values]
         assert moe_compile.refresh_weights() == 0
         block.experts[1].w1.weight.add_(1.0)
         assert moe_compile.refresh_weights() == 1  # only the copy made from w1 (w13), not w2's
-        assert copies[0].value.data_ptr() == before  # same memory: recorded CUDA graphs see it
+        assert [v.data_ptr() for v in copies[0].values] == before  # same memory: CUDA graphs see it
         assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
 
 
 def test_the_op_rebuilds_only_when_a_source_changed(monkeypatch):
-    parts = [torch.randn(3, 4) for _ in range(2)]
-    key, held, dim = weight_cache.register(("stack", (0, 1), False), parts)
-    assert dim == 3 and held.shape == (2, 4, 3)
+    parts = [torch.randn(3, 4) for _ in range(2)] + [torch.randn(2, 4)]
+    key, held, dims = weight_cache.register([("stack", (0, 1), False), ("leaf", 2, False)], parts)
+    assert dims == [3, 2] and held[0].shape == (2, 4, 3) and held[1].shape == (2, 1, 4)
     builds = []
     real = weight_cache._build
     monkeypatch.setattr(weight_cache, "_build", lambda r, p: builds.append(1) or real(r, p))
     out = torch.ops.moe_compile.stacked_weights(parts, key)
-    assert out is held and not builds
+    assert all(o is h for o, h in zip(out, held)) and not builds
     parts[1].mul_(2)
     out = torch.ops.moe_compile.stacked_weights(parts, key)
-    assert out is held and len(builds) == 1
-    torch.testing.assert_close(out, torch.stack(parts).transpose(-1, -2))
+    assert all(o is h for o, h in zip(out, held)) and len(builds) == 2  # the block's copies, re-made in place
+    torch.testing.assert_close(out[0], torch.stack(parts[:2]).transpose(-1, -2))
     with pytest.raises(RuntimeError, match="no weights registered under key -1"):
         torch.ops.moe_compile.stacked_weights(parts, -1)
 
