@@ -234,3 +234,34 @@ def test_moe_like_modules_includes_the_root_only_when_it_is_the_block():
     assert moe_like_modules(root) == [""]
     root.layer = type("InnerSparseMoeBlock", (nn.Module,), {})()  # a model named ...MoE holding blocks
     assert moe_like_modules(root) == ["layer"]
+
+
+class Fp32SumMoE(nn.Module):
+    """bf16 experts whose weighted outputs are summed in fp32 and returned in fp32 (hy_v3 with its
+    bf16 round trip removed, as Inductor 2.11's joint-graph passes do): the output's dtype is fp32,
+    but it carries the bf16 experts' rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w13 = nn.Parameter(torch.randn(E, 2 * I, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.1)
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).float().softmax(-1), K, dim=-1)   # fp32 weights
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for e in range(E):
+            tok, slot = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.w13[e]).chunk(2, -1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])              # bf16
+            out.index_add_(0, tok, y * weights[tok, slot, None])       # bf16 x fp32 -> fp32
+        return out
+
+
+def test_bf16_experts_summed_in_fp32_are_rewritten():
+    torch.manual_seed(0)
+    model = Fp32SumMoE().to(torch.bfloat16).eval()
+    report, diff = explain_and_compare(model, {"x": torch.randn(12, H, dtype=torch.bfloat16)})
+    assert report.rewritten == [""], str(report)
+    assert report.output.dtype == torch.float32
+    assert diff <= 2e-2, (diff, str(report))
