@@ -8,7 +8,10 @@ made once, at compile time; each call then compares the sources' version counter
 every in-place write: ``p.mul_()``, ``load_state_dict``, an optimizer step) with those the copies
 were made from, and re-makes them in place when they changed. So a compiled model follows its
 weights as the uncompiled one does, and one compiled graph serves several modules (regional
-compilation of each layer) with copies each. A call costs about 20 µs of host time, mostly the
+compilation of each layer) with copies each, while graphs compiled again for the same block (new
+token counts) share its copy. A copy holds its sources by weak reference: weights that are
+replaced rather than written (``load_state_dict(assign=True)``, ``p.data = new``) take their copy
+with them, instead of keeping the old weights and their copy alive. A call costs about 20 µs of host time, mostly the
 custom-op dispatch (``benchmarks/host_overhead.py``).
 
 Writes the version counters miss: a CUDA-graph replay runs no Python, ``p.data.copy_(new)``
@@ -19,7 +22,8 @@ writes through ``.data`` (its own counter) and inference tensors have none. Afte
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -31,19 +35,64 @@ Recipe = tuple
 
 @dataclass
 class _Copy:
-    parts: tuple  # the source tensors (strong references: their memory cannot be reused under us)
+    refs: tuple  # weak references to the source tensors: a copy never keeps replaced weights alive
+    ptrs: tuple  # the sources' data_ptrs when the copy was made
     versions: tuple
     values: list  # one held tensor per recipe
+
+    def sources(self) -> list | None:
+        """The source tensors, or ``None`` when one is gone or now holds other memory (``p.data = new``,
+        ``load_state_dict(assign=True)``, a dtype round trip): the copy is stale for good."""
+        parts = [ref() for ref in self.refs]
+        if any(p is None for p in parts) or tuple(p.data_ptr() for p in parts) != self.ptrs:
+            return None
+        return parts
 
 
 @dataclass
 class _Entry:
     recipes: tuple  # one per tensor a block needs (w13, w2 and their biases, or their shards)
-    copies: dict = field(default_factory=dict)  # tuple of source data_ptrs -> _Copy
+    signature: object  # hashable form of the recipes: graphs compiled again for the same block share copies
 
 
 _ENTRIES: dict[int, _Entry] = {}
+_COPIES: dict[tuple, _Copy] = {}  # (recipe signature, source data_ptrs) -> copy
 _keys = itertools.count()
+
+
+def _signature(recipes, key: int):
+    def freeze(x):
+        if isinstance(x, dict):
+            return tuple(sorted((k, freeze(v)) for k, v in x.items()))
+        if isinstance(x, (tuple, list)):
+            return tuple(freeze(v) for v in x)
+        return x
+    frozen = freeze(recipes)
+    try:
+        hash(frozen)
+    except TypeError:  # an unhashable argument in a shard recipe: this entry's copies are its own
+        return ("entry", key)
+    return frozen
+
+
+def _sweep() -> None:
+    """Forget copies whose sources are gone or were replaced (their memory with them)."""
+    for k in [k for k, c in _COPIES.items() if c.sources() is None]:
+        del _COPIES[k]
+
+
+def _copy_for(entry: _Entry, parts) -> _Copy:
+    """The copy of ``parts`` under ``entry``'s recipes: the one already made (by this graph, or a graph
+    compiled before it for the same block), else a new one."""
+    ptrs = tuple(p.data_ptr() for p in parts)
+    copy = _COPIES.get((entry.signature, ptrs))
+    if copy is not None and not all(ref() is p for ref, p in zip(copy.refs, parts)) and copy.sources() is None:
+        copy = None  # made from tensors that are gone; another tensor now has their memory
+    if copy is None:
+        _sweep()
+        copy = _Copy(tuple(weakref.ref(p) for p in parts), ptrs, _versions(parts), _make(entry.recipes, parts))
+        _COPIES[(entry.signature, ptrs)] = copy
+    return copy
 
 
 def _build(recipe: Recipe, parts) -> torch.Tensor:
@@ -87,21 +136,23 @@ def _make(recipes: tuple, parts) -> list:
 
 
 def register(recipes: tuple, parts) -> tuple[int, list, list]:
-    """A new key for a block's ``recipes``, the copies made now from ``parts`` (the compile-time
-    weights), and the number of dims each one is made from (3: weights, 2: biases)."""
+    """A new key for a block's ``recipes``, the copies of ``parts`` (the compile-time weights; shared
+    with an earlier graph of the same block), and the number of dims each is made from (3: weights,
+    2: biases)."""
     key = next(_keys)
-    entry = _ENTRIES[key] = _Entry(tuple(recipes))
-    with torch.no_grad():
-        built = [_build(r, parts) for r in entry.recipes]
-        values = [held_layout(b) for b in built]
-    entry.copies[tuple(p.data_ptr() for p in parts)] = _Copy(tuple(parts), _versions(parts), values)
-    return key, values, [b.dim() for b in built]
+    entry = _ENTRIES[key] = _Entry(tuple(recipes), _signature(tuple(recipes), key))
+    copy = _copy_for(entry, parts)
+    _keep_fresh(entry, copy, parts)
+    probe = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
+    return key, copy.values, [_build(r, probe).dim() for r in entry.recipes]
 
 
-def _refresh(entry: _Entry, copy: _Copy, versions: tuple) -> None:
-    for value, fresh in zip(copy.values, _make(entry.recipes, copy.parts)):
-        value.copy_(fresh)
-    copy.versions = versions
+def _keep_fresh(entry: _Entry, copy: _Copy, parts) -> None:
+    versions = _versions(parts)
+    if versions != copy.versions and not _capturing(parts[0]):
+        for value, fresh in zip(copy.values, _make(entry.recipes, parts)):
+            value.copy_(fresh)
+        copy.versions = versions
 
 
 @torch.library.custom_op("moe_compile::stacked_weights", mutates_args=())
@@ -111,15 +162,8 @@ def stacked_weights(parts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
     if entry is None:
         raise RuntimeError(f"moe_compile::stacked_weights: no weights registered under key {key} "
                            f"(a graph compiled in another process?); recompile the model.")
-    ptrs = tuple(p.data_ptr() for p in parts)
-    copy = entry.copies.get(ptrs)
-    if copy is None:  # another module through the same compiled graph
-        copy = entry.copies[ptrs] = _Copy(tuple(p.detach() for p in parts), _versions(parts),
-                                          _make(entry.recipes, parts))
-    else:
-        versions = _versions(parts)
-        if versions != copy.versions and not _capturing(parts[0]):
-            _refresh(entry, copy, versions)
+    copy = _copy_for(entry, parts)  # another module through the same graph gets its own
+    _keep_fresh(entry, copy, parts)
     # the cached tensors themselves: the op is declared functional, and no consumer writes into them
     return list(copy.values)
 
@@ -136,9 +180,11 @@ def _capturing(t: torch.Tensor) -> bool:
 
 def clear() -> None:
     """Forget every copy (``torch._dynamo.reset()`` calls this: the compiled graphs that read them
-    are gone). Until then a copy lives as long as the process, like the compiled code that reads it;
-    its source tensors are held too, so their memory cannot be reused under a stale copy."""
+    are gone). Until then a copy lives as long as its source tensors do, and no longer: copies of
+    weights that were replaced (``load_state_dict(assign=True)``, ``p.data = new``) are dropped
+    when the next copy is made."""
     _ENTRIES.clear()
+    _COPIES.clear()
 
 
 def refresh_weights() -> int:
@@ -147,12 +193,14 @@ def refresh_weights() -> int:
     checks its copies' version counters; call this after writes that those miss: with CUDA graphs (a
     replay runs no Python), through ``param.data`` (``p.data.copy_(new)``: ``.data`` has its own
     version counter), or on inference tensors (made under ``inference_mode``: no version counter)."""
+    _sweep()
+    recipes = {e.signature: e.recipes for e in _ENTRIES.values()}
     done = 0
-    for entry in _ENTRIES.values():
-        for copy in entry.copies.values():
-            for value, fresh in zip(copy.values, _make(entry.recipes, copy.parts)):
-                if not torch.equal(fresh, value):
-                    value.copy_(fresh)
-                    done += 1
-            copy.versions = _versions(copy.parts)
+    for (signature, _), copy in _COPIES.items():
+        parts = copy.sources()
+        for value, fresh in zip(copy.values, _make(recipes[signature], parts)):
+            if not torch.equal(fresh, value):
+                value.copy_(fresh)
+                done += 1
+        copy.versions = _versions(parts)
     return done

@@ -9,6 +9,8 @@ the structure (which activation ops appear, strided slices) orders the candidate
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import itertools
 import re
 from dataclasses import dataclass
@@ -297,8 +299,9 @@ def computed_weights(slice_nodes: set[fx.Node], stop: set[fx.Node], values: dict
 def folded_weights(slice_nodes: set[fx.Node], values: dict, num_experts: int, hidden: int,
                    exclude: set[fx.Node]) -> list[fx.Node]:
     """2-D weight inputs that hold every expert in one matrix (``nn.Linear(H, E * 2I)``): one dim is the
-    hidden size, the other a multiple of ``E`` larger than it."""
-    out = []
+    hidden size, the other a multiple of ``E`` larger than it, and no more than two inputs of that shape
+    (more are one expert's pieces each, ``ModuleList`` experts, even with one of them missing or tied)."""
+    candidates = []
     for node in _in_order(slice_nodes):
         t = values.get(node)
         if node in exclude or node.op not in ("placeholder", "get_attr") or not isinstance(t, torch.Tensor):
@@ -306,8 +309,9 @@ def folded_weights(slice_nodes: set[fx.Node], values: dict, num_experts: int, hi
         if t.dim() == 2 and t.is_floating_point() and hidden in t.shape:
             other = t.shape[1] if t.shape[0] == hidden else t.shape[0]
             if other > num_experts and other % num_experts == 0:
-                out.append(node)
-    return out
+                candidates.append(node)
+    shapes = Counter(tuple(values[n].shape) for n in candidates)
+    return [n for n in candidates if shapes[tuple(values[n].shape)] <= min(2, num_experts - 1)]
 
 
 def activations_seen(slice_nodes: set[fx.Node], stop: set[fx.Node]) -> list[str]:

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from moe_compile.ops.config import ExpertsConfig, RoutingConfig, RoutingMethod
 from moe_compile.passes import experts as ex
+from moe_compile.passes import probes
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
     CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, backward_slice, forward_slice, in_scope,
@@ -142,7 +143,10 @@ class Probe:
     logits: torch.Tensor
 
 
-def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe | str:
+def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int, logits: torch.Tensor | None = None,
+               x_scale: float = 1.0) -> Probe | str:
+    """Random unit-size hidden states (times ``x_scale``) and router logits (``logits`` when given) for
+    the block's input and logits nodes, seeded by ``trial``."""
     x_shape, l_shape = ctx.conc.shape(anchor.x), ctx.conc.shape(anchor.logits)
     if x_shape is None or l_shape is None:
         return "the block's token count is not known from the example inputs"
@@ -151,11 +155,12 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int) -> Probe 
             list(x_shape), list(l_shape))
     xv, lv = val(anchor.x), val(anchor.logits)
     gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
-    x2d = torch.randn(x_shape, generator=gen).to(device=xv.device, dtype=activation_dtype(anchor.x))
-    # every other routing trial uses the router's own logit scale, where a selection bias or the
-    # order of bias and score function changes the choice (a wide grid would hide it)
-    spread = _logit_spread(ctx, anchor) if trial >= 100 and trial % 2 else None
-    logits = probe_logits(l_shape, lv.dtype, gen, lv.device, spread)
+    x2d = (torch.randn(x_shape, generator=gen) * x_scale).to(device=xv.device, dtype=activation_dtype(anchor.x))
+    if logits is None:
+        # every other routing trial uses the router's own logit scale, where a selection bias or the
+        # order of bias and score function changes the choice (a wide grid would hide it)
+        spread = _logit_spread(ctx, anchor) if 100 <= trial < 200 and trial % 2 else None
+        logits = probe_logits(l_shape, lv.dtype, gen, lv.device, spread)
     overrides = {anchor.logits: logits}
     for node in _family(anchor.x):
         shape = ctx.conc.shape(node)
@@ -366,6 +371,7 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
     if anchor.bias is not None:
         bias_value = ctx.evaluator.run(backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1)
     tried: dict[fx.Node, None] = {}
+    stressed = None
     for scope in scope_list:
         for output in output_candidates(ctx, anchor, scope):
             if output in tried:
@@ -377,12 +383,20 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
                     continue
                 if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,)):
                     continue
+                stressed = probes.stress(ctx, anchor, routing, output, choice, bias_value, _real_weights(ctx, choice))
+                if stressed is not None:
+                    continue
                 fused_anchor = _with_output_dims(ctx, anchor, output)
                 if isinstance(fused_anchor, str):
                     return fused_anchor
                 old = backward_slice([output], set(probe.overrides))
                 return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value)
-    return no_output_reason(ctx, anchor, probe, list(tried))
+    return stressed or no_output_reason(ctx, anchor, probe, list(tried))
+
+
+def _real_weights(ctx: GraphContext, choice: ex.ExpertsChoice) -> tuple:
+    """(w13, w2, b13, b2) as the op reads them, from the graph's real inputs."""
+    return tuple(None if s is None else s.real(ctx.values) for s in (choice.w13, choice.w2, choice.b13, choice.b2))
 
 
 NOT_CAPTURED = "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"
@@ -466,9 +480,7 @@ def _with_output_dims(ctx: GraphContext, anchor: rt.RouterAnchor, output: fx.Nod
 
 def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials) -> bool:
     """Re-check a match on fresh probes (also what ``verify`` runs)."""
-    w13, w2 = choice.w13.real(ctx.values), choice.w2.real(ctx.values)
-    b13 = None if choice.b13 is None else choice.b13.real(ctx.values)
-    b2 = None if choice.b2 is None else choice.b2.real(ctx.values)
+    w13, w2, b13, b2 = _real_weights(ctx, choice)
     for trial in trials:
         probe = make_probe(ctx, anchor, trial)
         if isinstance(probe, str):
