@@ -26,7 +26,8 @@ import torch
 
 from moe_compile.lowering.base import MoEInputs, StagedLowering, tp_rank_inputs
 from moe_compile.lowering.npu_activation import npu_activation
-from moe_compile.lowering.npu_comm import Comm, CommMode, all_gather, all_reduce, reduce_scatter, resolve_comm
+from moe_compile.lowering.npu_comm import (
+    Comm, CommMode, all_gather, all_reduce, reduce_scatter, resolve_comm, verify_agreement)
 from moe_compile.lowering.npu_layout import LayoutCache
 from moe_compile.lowering.npu_routing import import_torch_npu, select_experts_npu
 from moe_compile.modular import ExpertWeights
@@ -75,6 +76,7 @@ class NpuLowering(StagedLowering):
             ids_TK = ids_TK.reshape(x_TH.shape[0], top_k).to(torch.int32)
         comm = resolve_comm(cfg.parallel)
         dispatcher = resolve_dispatcher(cfg, comm)
+        verify_agreement(comm, cfg, inputs, dispatcher)  # before any data moves: errors, not hangs
         rows_in = x_TH.shape[0]
         if dispatcher is DispatcherType.DYNAMIC:
             from moe_compile.lowering.npu_dynamic import split_tokens

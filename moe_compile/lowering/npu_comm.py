@@ -4,6 +4,10 @@ Groups travel by name (``ParallelConfig.*_group_name``) and the collectives are 
 ``torch.ops._c10d_functional`` ops, which take the name directly. They run eagerly (HCCL on NPU,
 gloo in the CPU tests) and trace as graph nodes that TorchAir converts to ``HcomAllReduce`` /
 ``HcomAllGather`` / ``HcomReduceScatter`` in GE mode (its converters for ``_c10d_functional.*``).
+
+Before any of them moves data, :func:`verify_agreement` runs the CPU/CUDA lowerings' handshake
+(``moe_compile.distributed.checks``), so ranks whose calls differ all raise the same ValueError
+instead of handing mismatched buffers to the collectives (a hang on HCCL, an abort on gloo).
 """
 from __future__ import annotations
 
@@ -49,6 +53,31 @@ def resolve_comm(parallel: ParallelConfig) -> Comm:
     group = _resolve_process_group(name)
     mode = CommMode.EP if parallel.ep_group_name else CommMode.TP
     return Comm(mode, name, dist.get_world_size(group), dist.get_rank(group))
+
+
+def verify_agreement(comm: Comm, cfg, inputs, dispatcher) -> None:
+    """Every rank of ``comm`` checks that all ranks make the same call (the one small all-gather of
+    ``verify_group_agreement``, as ``make_distributed_kernel`` does), or raises the same ValueError.
+
+    Skipped without a group, with ``MOE_COMPILE_DIST_CHECKS=0``, and while tracing (GE graph /
+    aclgraph: no host sync there, like CUDA-graph capture on CUDA). Token shards must be even for
+    every dispatcher, as on CPU/CUDA: the spec's ``tokens_full=False`` is "the tokens split evenly
+    over the group", and its dynamic layout needs a token count the group size divides (the
+    dynamic path itself would run uneven shards, but a model that relies on it would fail on the
+    other lowerings).
+    """
+    if comm.mode is CommMode.NONE:
+        return
+    from moe_compile.distributed.checks import checks_enabled, verify_group_agreement
+    from moe_compile.distributed.groups import resolve_group
+    from moe_compile.lowering.distributed import _signature
+    from moe_compile.lowering.npu_layout import _is_tracing
+
+    x = inputs.hidden_states
+    if not checks_enabled() or _is_tracing(x):
+        return
+    verify_group_agreement(_signature(cfg, inputs, dispatcher), resolve_group(comm.group_name), ep=comm.mode is CommMode.EP,
+                           device=x.device)
 
 
 def _functional():

@@ -4,15 +4,14 @@
         -m 1 33 --topk 1 4 --dtype bf16
 
 Prints one PASS/FAIL line per (M, topk[, apply_router_weight_on_input]) with the max error. Exit
-status: 0 all passed, 1 a case failed, 2 bad usage (unknown type, incompatible pair, or a pair that
-cannot run on this machine; the reason is printed). ``--list`` prints the registered types.
+status: 0 all passed, 1 a case failed, 2 bad usage (unknown type, incompatible pair, a ``--device``
+this machine does not have, or a pair that cannot run on this machine; the reason is printed).
+``--list`` prints the registered types.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-
-import torch
 
 from moe_compile.modular import registry
 from moe_compile.tools.harness import (
@@ -20,8 +19,8 @@ from moe_compile.tools.harness import (
     add_problem_args,
     cases_from_args,
     check_problem_args,
-    resolve_device,
     run_case,
+    runnable_here,
 )
 
 
@@ -36,7 +35,7 @@ def validate_pair(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
                                         expert_map=args.expert_map)
     if not ok:
         parser.error(f"incompatible pair: {reason}")
-    ok, reason = registry.runnable(args.pf_type, args.experts_type, device=torch.device(resolve_device(args.device)))
+    ok, reason = runnable_here(args.pf_type, args.experts_type, args.device)
     if not ok:
         parser.error(f"cannot run here: {reason}")
 

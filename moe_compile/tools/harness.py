@@ -2,9 +2,9 @@
 
 Shared by ``tools/check.py``, ``tools/profile.py`` and ``tests/modular/test_combinations.py``.
 A problem is random but seeded: distinct expert ids per token, positive weights, inputs scaled so
-the output is O(1). With ``expert_map`` the kernel holds half the experts (a shuffled subset, in
-shuffled local order), as one rank does under expert parallelism; the reference then sums only
-those experts, from the global weights.
+the output is O(1). With ``expert_map`` the kernel holds half the experts, at least one (a shuffled
+subset, in shuffled local order), as one rank does under expert parallelism; the reference then
+sums only those experts, from the global weights.
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from moe_compile.modular import ExpertWeights, ModularKernel
-from moe_compile.modular.registry import BuildContext, compose
+from moe_compile.modular.base import Capability
+from moe_compile.modular.registry import BuildContext, compose, runnable
 from moe_compile.ops.config import ExpertsConfig
 from moe_compile.testing.moe_reference import reference_experts
 
@@ -78,13 +79,23 @@ def make_problem(case: Case) -> Problem:
     glob = ExpertWeights(w13, w2, b13, b2)
     if not case.expert_map:
         return Problem(x, weights.to(case.device), ids.to(torch.int32).to(case.device), glob, glob, None, None)
-    owned = torch.randperm(E, generator=gen)[: E // 2].tolist()  # local row r holds global expert owned[r]
+    owned = torch.randperm(E, generator=gen)[: num_owned_experts(E)].tolist()  # local row r: global owned[r]
     expert_map = torch.full((E,), -1, dtype=torch.int32)
     expert_map[owned] = torch.arange(len(owned), dtype=torch.int32)
-    pick = torch.tensor(owned, device=case.device)
+    pick = torch.tensor(owned, dtype=torch.long, device=case.device)  # int64: an index tensor
     local = ExpertWeights(w13[pick], w2[pick], None if b13 is None else b13[pick], None if b2 is None else b2[pick])
     return Problem(x, weights.to(case.device), ids.to(torch.int32).to(case.device), glob, local,
                    expert_map.to(case.device), owned)
+
+
+def num_owned_experts(num_experts: int) -> int:
+    """How many experts the rank of an ``expert_map`` problem holds: half, but at least one.
+
+    Every rank of an expert-parallel run holds at least one expert, so E=1 gives the rank that expert
+    (an identity map, still taken through the map) rather than an empty local list, which is no real
+    layout and which not every experts type can run with zero local experts.
+    """
+    return max(1, num_experts // 2)
 
 
 def build_kernel(case: Case, problem: Problem) -> ModularKernel:
@@ -144,7 +155,7 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--intermediate", type=int, default=32)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    parser.add_argument("--device", default="auto", help="cpu, cuda[:N], npu[:N], or auto (cuda when available)")
     parser.add_argument("--expert-map", action="store_true", help="hold half the experts behind an expert_map")
     parser.add_argument("--chunk-size", type=int, default=32768)
     parser.add_argument("--seed", type=int, default=0)
@@ -156,8 +167,68 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def _npu_problem() -> str | None:
+    """Why no real NPU is usable, or None. Asked before ``torch.device("npu")``, which torch only
+    parses once torch_npu is imported; the CPU emulation's stand-in has no device behind it."""
+    from moe_compile.testing.emulated_npu import is_emulated_torch_npu
+
+    try:
+        import torch_npu
+    except Exception as exc:  # ImportError, or CANN libraries missing
+        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc})"
+    if is_emulated_torch_npu(torch_npu):
+        return "only the CPU emulation of torch_npu (emulated_npu) is active, no NPU"
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        return "torch_npu is imported but torch.npu.is_available() is False (no NPU visible)"
+    return None
+
+
+def _availability_problem(device: torch.device) -> str | None:
+    """Why a parsed device has nothing behind it here, or None: torch builds the device object for any
+    known type, and only the first tensor on it fails (e.g. CUDA on a CPU-only build)."""
+    module = getattr(torch, device.type, None)  # torch.cuda, torch.npu, torch.mps, ...; cpu/meta always exist
+    if module is None or not hasattr(module, "is_available"):
+        return None
+    if not module.is_available():
+        return f"torch.{device.type}.is_available() is False on this machine"
+    count = module.device_count() if hasattr(module, "device_count") else None
+    if device.index is not None and count is not None and device.index >= count:
+        return f"this machine has {count} {device.type} device(s), so index {device.index} does not exist"
+    return None
+
+
+def device_problem(name: str) -> str | None:
+    """Why ``--device name`` cannot be used on this machine, or None.
+
+    Checked before any work so that a bad value is a usage error naming the option, not a torch
+    traceback from deep inside ``make_problem`` or the registry.
+    """
+    resolved = resolve_device(name)
+    if resolved.split(":")[0] == "npu":
+        problem = _npu_problem()
+        if problem:
+            return problem
+    try:
+        device = torch.device(resolved)
+    except RuntimeError:
+        return "torch.device() does not accept it"
+    return _availability_problem(device)
+
+
+def runnable_here(pf_type: str, experts_type: str, device_name: str) -> Capability:
+    """``registry.runnable`` for a ``--device`` value, also false when that device is absent here.
+
+    The registry judges the device *type* only; a pair that "runs on cuda" cannot run on a machine
+    without a GPU, and saying it can would send the caller into a torch traceback.
+    """
+    problem = device_problem(device_name)
+    if problem:
+        return False, f"device {device_name!r} is not usable here: {problem}"
+    return runnable(pf_type, experts_type, device=torch.device(resolve_device(device_name)))
+
+
 def check_problem_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Range checks argparse cannot express; exits through ``parser.error``."""
+    """Range and device checks argparse cannot express; exits through ``parser.error``."""
     if min(args.m) < 0:
         parser.error(f"-m values must be >= 0, got {args.m}")
     for name in ("num_experts", "hidden", "intermediate", "chunk_size"):
@@ -166,6 +237,10 @@ def check_problem_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     bad = [k for k in args.topk if not 1 <= k <= args.num_experts]
     if bad:
         parser.error(f"--topk values must lie in [1, num_experts={args.num_experts}], got {bad}")
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f"--device {args.device!r}: {problem}; expected auto, cpu, or a device type available "
+                     f"here (cuda[:N] with a GPU, npu[:N] with torch_npu and an NPU)")
 
 
 def cases_from_args(args: argparse.Namespace) -> list[Case]:

@@ -6,13 +6,15 @@
 Takes the problem flags of ``moe_compile.tools.check`` (the first ``-m`` and ``--topk`` value are
 used), runs ``--warmup`` forwards, then profiles one (CPU activity, plus CUDA on a GPU, with
 shapes and stacks) inside a ``ModularKernel.forward`` range and writes
-``DIR/m{M}_topk{K}_{pf}_{experts}_trace.json``. Exit status 2 for unknown or incompatible types.
+``DIR/m{M}_topk{K}_{pf}_{experts}_trace.json``. Exit status 2 for unknown or incompatible types, a
+``--device`` this machine does not have, or a ``--trace-dir`` that cannot be created or written.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -48,6 +50,22 @@ def profile_case(case, trace_dir: str, warmup: int) -> str:
     return path
 
 
+def trace_dir_problem(trace_dir: str) -> str | None:
+    """Why no trace can be written to ``trace_dir``, or None; creates it if missing.
+
+    Asked before profiling (as the main CLI does for ``--dump-dir``) so that a bad path is a usage
+    error at once, not a raw OSError after the warmup and the profiled forward have run.
+    """
+    try:
+        os.makedirs(trace_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=trace_dir):
+            pass
+    except OSError as exc:
+        return (f"cannot write the trace to --trace-dir {trace_dir!r} ({type(exc).__name__}: {exc}); "
+                "expected a directory that exists or can be created, and is writable")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_compile.tools.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     validate_pair(parser, args)
+    problem = trace_dir_problem(args.trace_dir)  # after the pair checks: a rejected pair creates no directory
+    if problem:
+        parser.error(problem)
     path = profile_case(cases_from_args(args)[0], args.trace_dir, args.warmup)
     print(f"trace written: {path}")
     return 0

@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from moe_compile.modular import ActivationFormat, registry
 from moe_compile.modular.experts import GroupedExperts
 from moe_compile.tools.check import main
+from moe_compile.tools.harness import Case, make_problem, runnable_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,3 +92,63 @@ def test_module_entry_point():
          "--experts-type", "GroupedExperts"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "incompatible pair: BatchedPrepareAndFinalize emits batched-format" in proc.stderr
+
+
+PAIR = ["--pf-type", "StandardPrepareAndFinalize", "--experts-type", "GroupedExperts", "-m", "1", "--topk", "1"]
+
+
+def _usage_error(argv, capsys) -> str:
+    """Run the check tool expecting a usage error (exit 2); returns stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", ""])
+def test_not_a_device_is_a_usage_error(device, capsys):
+    err = _usage_error(PAIR + ["--device", device], capsys)
+    assert f"--device {device!r}" in err and "expected auto, cpu" in err
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(monkeypatch, capsys):
+    """Before: registry.runnable said yes and make_problem died on 'Torch not compiled with CUDA'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _usage_error(PAIR + ["--device", "cuda"], capsys)
+    assert "--device 'cuda'" in err and "torch.cuda.is_available() is False" in err
+
+
+def test_npu_without_torch_npu_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    err = _usage_error(PAIR + ["--device", "npu"], capsys)
+    assert "--device 'npu'" in err and "torch_npu cannot be imported" in err
+
+
+def test_runnable_here_is_false_for_an_absent_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ok, reason = runnable_here("StandardPrepareAndFinalize", "GroupedExperts", "cuda")
+    assert not ok and "'cuda'" in reason and "is_available() is False" in reason
+    ok, reason = runnable_here("StandardPrepareAndFinalize", "GroupedExperts", "foo")
+    assert not ok and "'foo'" in reason
+    assert runnable_here("StandardPrepareAndFinalize", "GroupedExperts", "cpu") == (True, "")
+
+
+def test_device_module_entry_point_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_compile.tools.check", *PAIR, "--device", "foo"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--device 'foo'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("num_experts", [1, 2, 3])
+def test_expert_map_with_few_experts_holds_at_least_one(num_experts, capsys):
+    """Before: E=1 gave an empty float index list and an IndexError in make_problem."""
+    code = main(["--pf-type", "StandardPrepareAndFinalize", "--experts-type", "GroupedExperts",
+                 "--num-experts", str(num_experts), "--topk", "1", "--expert-map", "-m", "0", "2",
+                 "--dtype", "fp32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0 and "OK: 0 failed" in out, out
+    problem = make_problem(Case("StandardPrepareAndFinalize", "GroupedExperts", m=2, topk=1,
+                                num_experts=num_experts, expert_map=True))
+    assert len(problem.owned_experts) == max(1, num_experts // 2)
+    assert problem.local_weights.w13.shape[0] == len(problem.owned_experts)

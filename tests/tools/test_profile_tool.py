@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
+from moe_compile.tools import profile
 from moe_compile.tools.profile import main
 
 
@@ -42,3 +44,27 @@ def test_trace_dir_is_required(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--pf-type", "StandardPrepareAndFinalize", "--experts-type", "GroupedExperts"])
     assert exit_info.value.code == 2 and "--trace-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make_bad", [lambda tmp: tmp / "a_file", lambda tmp: tmp / "a_file" / "sub"],
+                         ids=["is-a-file", "under-a-file"])
+def test_unusable_trace_dir_fails_before_profiling(make_bad, tmp_path, monkeypatch, capsys):
+    """Before: the directory was made only after profiling, and failed with a raw OSError."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(profile, "profile_case", lambda *a, **k: pytest.fail("profiled despite a bad --trace-dir"))
+    bad = make_bad(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pf-type", "StandardPrepareAndFinalize", "--experts-type", "GroupedExperts",
+              "--trace-dir", str(bad), "--device", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--trace-dir {str(bad)!r}" in err and "writable" in err
+
+
+def test_unavailable_device_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--pf-type", "StandardPrepareAndFinalize", "--experts-type", "GroupedExperts",
+              "--trace-dir", str(tmp_path / "t"), "--device", "npu"])
+    assert exit_info.value.code == 2 and "--device 'npu'" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()
