@@ -25,6 +25,7 @@ log = logging.getLogger("moe_compile")
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 MAX_OUTPUT_CANDIDATES = 16
 ROUTING_TRIALS = 6
+ROUTING_PROBE_TOKENS = 48
 
 
 @dataclass
@@ -213,20 +214,31 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
     bias = None if anchor.bias is None else ctx.evaluator.run(
         backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1).float()
     # a handful of tokens can agree by chance (group max vs top-2 sum, say): the expert choice
-    # must also agree on fresh logits
+    # must also agree on fresh logits, on at least ROUTING_PROBE_TOKENS tokens in all
     extra = []
-    for trial in range(100, 100 + ROUTING_TRIALS):
+    for trial in range(100, 100 + max(ROUTING_TRIALS, -(-ROUTING_PROBE_TOKENS // num_tokens))):
         other = make_probe(ctx, anchor, trial)
-        ids_other = None if isinstance(other, str) else _eval(ctx, other, [anchor.ids])
+        if isinstance(other, str):
+            continue
+        trial_bias = bias
+        if bias is not None and trial % 3 == 2:
+            # a selection bias is a parameter: at compile time it is often zero (or too small to reorder
+            # anything), where "added to the scores" and "added to the logits" choose alike and its
+            # updates would then follow the wrong formula. Probe with a bias that reorders.
+            trial_bias = _probe_bias(bias, other.logits, trial)
+            bias_val = val(anchor.bias)
+            other.overrides[anchor.bias] = trial_bias.reshape(bias_val.shape).to(bias_val.device, bias_val.dtype)
+        ids_other = _eval(ctx, other, [anchor.ids])
         if ids_other is not None:
-            extra.append((other.logits, ids_other[0]))
+            extra.append((other.logits, ids_other[0], trial_bias))
     found = []
     for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region, lambda node: scalar_input(ctx, node))):
         cfg_bias = bias if cfg.has_correction_bias else None
         w, ids = rt.reference_routing(probe.logits, cfg, cfg_bias)
         if not rt.ids_match(got_ids, ids):
             continue
-        if not all(rt.ids_match(got, rt.reference_routing(logits, cfg, cfg_bias)[1]) for logits, got in extra):
+        if not all(rt.ids_match(got, rt.reference_routing(logits, cfg, b if cfg.has_correction_bias else None)[1])
+                   for logits, got, b in extra):
             continue
         if any(rt.weights_match(wv, w, ids, 2e-3) for wv in weight_values
                if isinstance(wv, torch.Tensor)):
@@ -234,6 +246,15 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
     if found:
         return found
     return "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+
+
+def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.Tensor:
+    """A random selection bias on the scale of the probe's logits (a quarter of their spread), in
+    exactly representable steps: large enough to reorder experts, so the formula that applies it shows."""
+    gen = torch.Generator().manual_seed(7000 + trial)
+    scale = float(logits.float().std()) / 4 or 0.25
+    step = 2.0 ** math.floor(math.log2(scale / 16))
+    return (torch.randn(bias.shape, generator=gen) * scale / step).round() * step
 
 
 def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:

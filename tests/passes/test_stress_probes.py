@@ -156,3 +156,17 @@ def test_zoo_model_at_one_token_is_rewritten():
     kwargs = zoo.build_inputs("qwen3_moe", num_tokens=1)
     report = moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager"})
     assert len(report.rewritten) == zoo.expected_moe_layers("qwen3_moe") and not report.skipped, str(report)
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_bias_on_the_logits_is_not_taken_for_a_bias_on_the_scores_at_one_token(seed):
+    """kolibri1 adds its selection bias to the logits before the sigmoid, which the op cannot express.
+    At one token its small compile-time bias reordered nothing on six one-token probes, so the block
+    was rewritten as "sigmoid+bias" and went 0.5-0.8 off eager once the bias was trained. The routing
+    probes now cover at least 48 tokens and use a bias that reorders experts."""
+    from moe_compile.testing import zoo
+
+    torch._dynamo.reset()
+    model, inputs = zoo.build_model("kolibri1", num_tokens=1, seed=seed)
+    report = moe_compile.explain(model, **inputs, options={"inner_compiler": "aot_eager"})
+    assert not report.rewritten, str(report)
