@@ -254,7 +254,7 @@ def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.T
     gen = torch.Generator().manual_seed(7000 + trial)
     scale = float(logits.float().std()) / 4 or 0.25
     step = 2.0 ** math.floor(math.log2(scale / 16))
-    return (torch.randn(bias.shape, generator=gen) * scale / step).round() * step
+    return ((torch.randn(bias.shape, generator=gen) * scale / step).round() * step).to(bias.device, bias.dtype)
 
 
 def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
