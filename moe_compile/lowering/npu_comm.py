@@ -76,8 +76,8 @@ def verify_agreement(comm: Comm, cfg, inputs, dispatcher) -> None:
     x = inputs.hidden_states
     if not checks_enabled() or _is_tracing(x):
         return
-    verify_group_agreement(_signature(cfg, inputs, dispatcher), resolve_group(comm.group_name), ep=comm.mode is CommMode.EP,
-                           device=x.device)
+    verify_group_agreement(_signature(cfg, inputs, dispatcher), resolve_group(comm.group_name),
+                           ep=comm.mode is CommMode.EP, device=x.device)
 
 
 def _functional():
