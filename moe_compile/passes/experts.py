@@ -55,9 +55,29 @@ class ExpertsChoice:
     b2: WeightSource | None
     config: ExpertsConfig
     form: str
+    cast: torch.dtype | None = None  # the dtype the graph casts the weights to for the matmuls (autocast)
 
     def describe(self) -> str:
-        return self.config.activation.value + (" interleaved" if self.config.gate_up_interleaved else "")
+        act = self.config.activation.value + (" interleaved" if self.config.gate_up_interleaved else "")
+        return act + (" (weights cast to %s)" % str(self.cast).replace("torch.", "") if self.cast else "")
+
+
+def matmul_cast(region: set[fx.Node], weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The lower-precision floating dtype every expert matmul of the region computes in, when the
+    weights are stored wider (``torch.autocast``: fp32 weights cast to bf16 before each matmul), else
+    ``None``. The op then computes in that dtype, as the block does."""
+    dtypes = set()
+    for node in region:
+        if node.target in _EXPERT_MM_OPS:
+            v = val(node)
+            if isinstance(v, torch.Tensor):
+                dtypes.add(v.dtype)
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    if dtype.is_floating_point and dtype.itemsize < weight_dtype.itemsize:
+        return dtype
+    return None
 
 
 def expert_inputs(slice_nodes: set[fx.Node], values: dict, num_experts: int, names: dict,

@@ -334,12 +334,13 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
     hidden = probe.x2d.shape[-1]
     region = ex.region_of(slice_nodes)
     for w13s, w2s in ex.weight_layouts(mats, ctx.values, hidden):
-        w13, w2 = w13s.real(ctx.values), w2s.real(ctx.values)
+        cast = ex.matmul_cast(region, w13s.real(ctx.values).dtype)
+        w13, w2 = _cast(w13s.real(ctx.values), cast), _cast(w2s.real(ctx.values), cast)
         dtype = compare_dtype(target.dtype, w13.dtype)
         gated = w13.shape[-1] == 2 * w2.shape[-2]
         for b13s, b2s in ex.bias_layouts(biases, ctx.values, w13.shape[-1], hidden):
-            b13 = None if b13s is None else b13s.real(ctx.values)
-            b2 = None if b2s is None else b2s.real(ctx.values)
+            b13 = None if b13s is None else _cast(b13s.real(ctx.values), cast)
+            b2 = None if b2s is None else _cast(b2s.real(ctx.values), cast)
             for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
                 key = (id(probe), routing, w13s, w2s, b13s, b2s, cfg)
                 try:
@@ -348,8 +349,12 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
                 except (ValueError, TypeError, RuntimeError):
                     continue
                 if close(fused, target, dtype):
-                    return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region))
+                    return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region), cast)
     return None
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None else t.to(dtype)
 
 
 def _with_input_weighting(cfgs: list[ExpertsConfig], routing: RoutingConfig) -> list[ExpertsConfig]:
@@ -417,7 +422,8 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
 
 def _real_weights(ctx: GraphContext, choice: ex.ExpertsChoice) -> tuple:
     """(w13, w2, b13, b2) as the op reads them, from the graph's real inputs."""
-    return tuple(None if s is None else s.real(ctx.values) for s in (choice.w13, choice.w2, choice.b13, choice.b2))
+    return tuple(None if s is None else _cast(s.real(ctx.values), choice.cast)
+                 for s in (choice.w13, choice.w2, choice.b13, choice.b2))
 
 
 NOT_CAPTURED = "no node of the block equals the routed experts' weighted sum (experts not captured in this graph?)"

@@ -255,11 +255,14 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     anchor = match.anchor
     routing, experts = match.routing, match.experts.config
     with graph.inserting_before(out):
+        choice = match.experts
         if groups:
             w13, w2, b13, b2 = _sharded_weights(gm, match, values, groups, anchor.x)
         else:
-            choice = match.experts
             w13, w2, b13, b2 = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, anchor.x)
+        if choice.cast is not None:  # autocast: cast per call, as the block did (the op computes in it)
+            w13, w2, b13, b2 = (None if w is None else _call(graph, torch.ops.prims.convert_element_type.default,
+                                                            (w, choice.cast), anchor.x) for w in (w13, w2, b13, b2))
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias

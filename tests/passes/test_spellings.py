@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import moe_compile
 from moe_compile.explain import moe_like_modules
 
-from .helpers import explain_and_compare
+from .helpers import explain_and_compare, max_rel_diff
 
 H, I, E, K = 32, 48, 8, 2
 
@@ -265,3 +266,36 @@ def test_bf16_experts_summed_in_fp32_are_rewritten():
     assert report.rewritten == [""], str(report)
     assert report.output.dtype == torch.float32
     assert diff <= 2e-2, (diff, str(report))
+
+
+@pytest.mark.parametrize("make", ["experts3d", "qwen3_moe", "v4_mixtral"])
+def test_autocast_block_is_rewritten_with_weights_cast_like_the_block(make):
+    """fp32 weights under ``torch.autocast(bfloat16)``: the graph casts the expert weights to bf16 before
+    each matmul, so the op computes in bf16 too (it was left alone: the fp32 reading missed the bf16
+    output by more than fp32's tolerance, and computing in fp32 would be slower than the block).
+    Later in-place weight updates are followed through the per-call cast."""
+    from moe_compile.testing import zoo
+    from moe_compile.testing.zoo_blocks import build_block_model
+
+    torch.manual_seed(0)
+    if make == "experts3d":
+        model, kwargs = Fp32SumMoE().eval(), {"x": torch.randn(12, H)}
+    elif make == "qwen3_moe":
+        model, kwargs = zoo.build_model("qwen3_moe", num_layers=1)
+    else:
+        model, kwargs = build_block_model("v4_mixtral", num_layers=1)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = zoo.first_tensor(model(**kwargs))
+        report = moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager"})
+        assert len(report.rewritten) == 1 and "weights cast to bfloat16" in str(report), str(report)
+        assert max_rel_diff(zoo.first_tensor(report.output), ref) <= 2e-2
+        torch._dynamo.reset()
+        fast = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+        fast(**kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.5)
+    # a new autocast region: autocast caches its weight casts until the region ends
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert max_rel_diff(zoo.first_tensor(fast(**kwargs)), zoo.first_tensor(model(**kwargs))) <= 2e-2
