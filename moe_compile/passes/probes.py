@@ -140,22 +140,35 @@ def stress(ctx, anchor, routing, output: fx.Node, choice: ex.ExpertsChoice, bias
         dtype = compare_dtype(got[0].dtype, w13.dtype)
         return fused, got[0], close(fused, got[0], dtype)
 
-    for i in range(num_coverage_probes(num_tokens, num_experts, top_k)):
-        gen = torch.Generator().manual_seed(ctx.seed * 1000 + COVERAGE_SEED + i)
-        logits = coverage_logits(base.logits.shape, top_k, i * num_tokens * top_k, base.logits.dtype,
-                                 base.logits.device, gen)
-        probe = make_probe(ctx, anchor, COVERAGE_SEED + i, logits=logits)
-        fused, got, ok = check(probe)
-        if not ok:
+    def coverage(shift: int) -> tuple[str | None, set[int]]:
+        """Route to every expert in turn, starting at expert ``shift``: (why the block could not run,
+        the experts of the rows that disagreed)."""
+        bad: set[int] = set()
+        for i in range(num_coverage_probes(num_tokens, num_experts, top_k)):
+            gen = torch.Generator().manual_seed(ctx.seed * 1000 + COVERAGE_SEED + i)
+            logits = coverage_logits(base.logits.shape, top_k, shift + i * num_tokens * top_k, base.logits.dtype,
+                                     base.logits.device, gen)
+            fused, got, ok = check(make_probe(ctx, anchor, COVERAGE_SEED + i, logits=logits))
             if got is None:
-                return "the block could not be evaluated on probes that route tokens to every expert in turn"
-            ids = rt.reference_routing(logits, routing, bias_value if routing.has_correction_bias else None)[1]
-            tol = TOLERANCE.get(compare_dtype(got.dtype, w13.dtype), 3e-2)
-            bad = _bad_experts(fused, got, ids, tol)
-            which = "experts %s" % bad if bad else "some experts"
-            return ("the experts are not all the same MLP: with tokens routed to every expert in turn, the block's "
-                    "output differs from the fused op's for %s (an expert with its own residual, adapter or "
-                    "activation?)" % which)
+                return "the block could not be evaluated on probes that route tokens to every expert in turn", bad
+            if not ok:
+                ids = rt.reference_routing(logits, routing, bias_value if routing.has_correction_bias else None)[1]
+                bad |= set(_bad_experts(fused, got, ids, TOLERANCE.get(compare_dtype(got.dtype, w13.dtype), 3e-2)))
+                bad.add(-1)  # a disagreement, even when no expert can be singled out
+        return None, bad
+
+    failed, bad = coverage(0)
+    if failed:
+        return failed
+    if bad:
+        # the rows that disagreed each hold top_k experts; a second pass, shifted by one expert, pairs
+        # them differently, and the experts in both passes' disagreeing rows are the odd ones
+        _, again = coverage(1)
+        both = (bad & again) - {-1} or bad - {-1}
+        which = "experts %s" % sorted(both) if both else "some experts"
+        return ("the experts are not all the same MLP: with tokens routed to every expert in turn, the block's "
+                "output differs from the fused op's for %s (an expert with its own residual, adapter or "
+                "activation?)" % which)
 
     probe = make_probe(ctx, anchor, SKEW_SEED)
     skewed = probe.logits[:1].expand_as(probe.logits).contiguous()

@@ -4,8 +4,6 @@ skewed routing shows, and parameters that are a no-op only at compile time. Each
 was, with a reason that says what was found; a plain block must still be rewritten."""
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -95,8 +93,8 @@ def test_one_odd_expert_is_found_at_one_token(kind):
     if kind == "lora_live":
         nn.init.normal_(model.experts[2].lora_b.weight, std=0.3)
     reason = _skipped_reason(model, 1)
-    # one token, two experts per probe: the reason names the probe's pair
-    assert "not all the same MLP" in reason and re.search(r"experts \[(2, \d|\d, 2)\]", reason), reason
+    # one token, two experts per probe: a second pass pairs them differently, so expert 2 is singled out
+    assert "not all the same MLP" in reason and "experts [2]" in reason, reason
 
 
 def test_clamp_that_fires_only_on_large_inputs_is_found():
