@@ -68,7 +68,8 @@ def matmul_cast(region: set[fx.Node], weight_dtype: torch.dtype) -> torch.dtype 
     ``None``. The op then computes in that dtype, as the block does."""
     dtypes = set()
     for node in region:
-        if node.target in _EXPERT_MM_OPS:
+        # transformers' own grouped-GEMM op (``transformers.grouped_mm_fallback``) runs on CPU autocast
+        if node.target in _EXPERT_MM_OPS or "grouped_mm" in str(node.target):
             v = val(node)
             if isinstance(v, torch.Tensor):
                 dtypes.add(v.dtype)

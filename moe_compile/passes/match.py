@@ -334,7 +334,7 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
     hidden = probe.x2d.shape[-1]
     region = ex.region_of(slice_nodes)
     for w13s, w2s in ex.weight_layouts(mats, ctx.values, hidden):
-        cast = ex.matmul_cast(region, w13s.real(ctx.values).dtype)
+        cast = ex.matmul_cast(region - stop, w13s.real(ctx.values).dtype)  # not the router's matmul
         w13, w2 = _cast(w13s.real(ctx.values), cast), _cast(w2s.real(ctx.values), cast)
         dtype = compare_dtype(target.dtype, w13.dtype)
         gated = w13.shape[-1] == 2 * w2.shape[-2]
