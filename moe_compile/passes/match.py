@@ -407,9 +407,10 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
                 choice = identify_experts(ctx, anchor, routing, probe, output, bias_value)
                 if choice is None:
                     continue
-                if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,)):
+                weights = _real_weights(ctx, choice)  # a stacked copy of every expert: made once here
+                if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,), weights=weights):
                     continue
-                stressed = probes.stress(ctx, anchor, routing, output, choice, bias_value, _real_weights(ctx, choice))
+                stressed = probes.stress(ctx, anchor, routing, output, choice, bias_value, weights)
                 if stressed is not None:
                     continue
                 fused_anchor = _with_output_dims(ctx, anchor, output)
@@ -505,9 +506,9 @@ def _with_output_dims(ctx: GraphContext, anchor: rt.RouterAnchor, output: fx.Nod
     return replace(anchor, x=xs[0], logits=min(views, key=order.__getitem__))
 
 
-def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials) -> bool:
-    """Re-check a match on fresh probes (also what ``verify`` runs)."""
-    w13, w2, b13, b2 = _real_weights(ctx, choice)
+def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials, weights=None) -> bool:
+    """Re-check a match on fresh probes (also what ``verify`` runs); ``weights``: ``_real_weights``'s."""
+    w13, w2, b13, b2 = weights if weights is not None else _real_weights(ctx, choice)
     for trial in trials:
         probe = make_probe(ctx, anchor, trial)
         if isinstance(probe, str):

@@ -41,15 +41,13 @@ def coverage_logits(shape, top_k: int, first: int, dtype, device, gen: torch.Gen
     step = 2.0 ** round(math.log2(4.0 / num_experts))
     grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
     high, low = grid[num_experts - top_k:], grid[:num_experts - top_k]
-    rows = []
-    for j in range(num_tokens):
-        wanted = torch.tensor([(first + j * top_k + i) % num_experts for i in range(top_k)])
-        rest = torch.tensor([e for e in range(num_experts) if e not in set(wanted.tolist())], dtype=torch.long)
-        row = torch.empty(num_experts)
-        row[wanted] = high[torch.randperm(top_k, generator=gen)]
-        row[rest] = low[torch.randperm(num_experts - top_k, generator=gen)]
-        rows.append(row)
-    return torch.stack(rows).to(device=device, dtype=dtype)
+    wanted = (first + torch.arange(num_tokens)[:, None] * top_k + torch.arange(top_k)) % num_experts
+    chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, wanted, True)
+    rows = torch.empty(num_tokens, num_experts)
+    # each row's top_k highest values on its wanted experts and the rest below, both shuffled per row
+    rows[chosen] = high[torch.rand(num_tokens, top_k, generator=gen).argsort(dim=1)].reshape(-1)
+    rows[~chosen] = low[torch.rand(num_tokens, num_experts - top_k, generator=gen).argsort(dim=1)].reshape(-1)
+    return rows.to(device=device, dtype=dtype)
 
 
 def num_coverage_probes(num_tokens: int, num_experts: int, top_k: int) -> int:

@@ -35,6 +35,16 @@ def _compiled(block, inner):
     return torch.compile(block, backend="moe_npu", options={"inner_compiler": inner})
 
 
+def _v4_called_once():
+    """A ModuleList block, 6 tokens, and the block compiled (aot_eager) and called once."""
+    torch.manual_seed(0)
+    block, x = _block(V4MoEBlock), _x(6)
+    fast = _compiled(block, "aot_eager")
+    with torch.no_grad():
+        fast(x)
+    return block, x, fast
+
+
 @pytest.mark.parametrize("inner", INNERS)
 @pytest.mark.parametrize("make", [V4MoEBlock, GatherEinsumMoE], ids=["modulelist", "gpt_fast"])
 def test_in_place_updates_are_followed(make, inner):
@@ -67,12 +77,8 @@ def test_modules_sharing_one_compiled_graph_each_use_their_weights():
 
 
 def test_refresh_weights_remakes_stale_copies_in_place():
-    torch.manual_seed(0)
-    block = _block(V4MoEBlock)
-    x = _x(6)
-    fast = _compiled(block, "aot_eager")
+    block, x, fast = _v4_called_once()
     with torch.no_grad():
-        fast(x)
         copies = [c for c in weight_cache._COPIES.values() if block.experts[0].w1.weight.data_ptr() in c.ptrs]
         assert len(copies) == 1 and len(copies[0].values) == 2  # w13 and w2, from one call per block
         before = [v.data_ptr() for v in copies[0].values]
@@ -168,12 +174,8 @@ def test_replaced_weights_leave_no_copy_behind(how):
     import gc
     import weakref
 
-    torch.manual_seed(0)
-    block = _block(V4MoEBlock)
-    x = _x(6)
-    fast = _compiled(block, "aot_eager")
+    block, x, fast = _v4_called_once()
     with torch.no_grad():
-        fast(x)
         assert len(weight_cache._COPIES) == 1
         for seed in range(1, 4):
             old = weakref.ref(block.experts[0].w1.weight)  # replaced by assign=True, kept by the others
