@@ -51,6 +51,20 @@ def is_emulated_torch_npu(module) -> bool:
     return bool(getattr(module, _MARKER, False))
 
 
+def npu_unavailable() -> str | None:
+    """Why no real NPU is usable here, or None (the check and profile tools' ``--device npu`` and
+    ``selfcheck --device npu`` ask this before anything touches the device)."""
+    try:
+        import torch_npu
+    except Exception as exc:  # ImportError, or CANN libraries missing
+        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc})"
+    if is_emulated_torch_npu(torch_npu):
+        return "only the CPU emulation of torch_npu (emulated_npu) is active, no real NPU"
+    if not (hasattr(torch, "npu") and torch.npu.is_available()):
+        return "torch_npu is imported but torch.npu.is_available() is False (no NPU visible)"
+    return None
+
+
 def real_torch_npu_present() -> str | None:
     """Why a real torch_npu is in reach (imported or importable), or None."""
     loaded = sys.modules.get("torch_npu")

@@ -167,22 +167,6 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def _npu_problem() -> str | None:
-    """Why no real NPU is usable, or None. Asked before ``torch.device("npu")``, which torch only
-    parses once torch_npu is imported; the CPU emulation's stand-in has no device behind it."""
-    from moe_compile.testing.emulated_npu import is_emulated_torch_npu
-
-    try:
-        import torch_npu
-    except Exception as exc:  # ImportError, or CANN libraries missing
-        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc})"
-    if is_emulated_torch_npu(torch_npu):
-        return "only the CPU emulation of torch_npu (emulated_npu) is active, no NPU"
-    if not (hasattr(torch, "npu") and torch.npu.is_available()):
-        return "torch_npu is imported but torch.npu.is_available() is False (no NPU visible)"
-    return None
-
-
 def _availability_problem(device: torch.device) -> str | None:
     """Why a parsed device has nothing behind it here, or None: torch builds the device object for any
     known type, and only the first tensor on it fails (e.g. CUDA on a CPU-only build)."""
@@ -205,7 +189,9 @@ def device_problem(name: str) -> str | None:
     """
     resolved = resolve_device(name)
     if resolved.split(":")[0] == "npu":
-        problem = _npu_problem()
+        from moe_compile.testing.emulated_npu import npu_unavailable  # only for --device npu
+
+        problem = npu_unavailable()
         if problem:
             return problem
     try:

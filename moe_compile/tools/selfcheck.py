@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from moe_compile.testing import npu_goldens, npu_kernels
+from moe_compile.testing.emulated_npu import npu_unavailable
 
 
 @dataclass(frozen=True)
@@ -236,21 +237,6 @@ def check_model(device, compilers: dict, seed: int = 0) -> list[Row]:
     return rows
 
 
-def _npu_unavailable() -> str | None:
-    """Why the real NPU path cannot run here, or None."""
-    from moe_compile.testing.emulated_npu import is_emulated_torch_npu
-
-    try:
-        import torch_npu
-    except Exception as exc:  # ImportError, or CANN libraries missing (notes §4)
-        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc})"
-    if is_emulated_torch_npu(torch_npu):
-        return "the CPU emulation (emulated_npu) is active; selfcheck needs the real torch_npu"
-    if not (hasattr(torch, "npu") and torch.npu.is_available()):
-        return "torch_npu imported but torch.npu.is_available() is False (no NPU visible)"
-    return None
-
-
 def _torchair_compilers() -> dict:
     from moe_compile.lowering.torchair import compile_with_torchair
 
@@ -304,7 +290,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda":
         return cuda_main(args.interpret)
-    reason = _npu_unavailable()
+    reason = npu_unavailable()
     if reason is not None:
         print(f"selfcheck --device {args.device} needs an Ascend NPU with torch_npu and CANN installed: {reason}.\n"
               "On CPU, the NPU lowering is tested against the emulation instead "
