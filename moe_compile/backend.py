@@ -4,7 +4,8 @@ Dynamo's graph is traced to an aten-level inference graph by AOTAutograd; the Mo
 it there (functionalised, every spelling of an op normalised), then the inner compiler runs:
 
 - ``inductor``: the pass runs as Inductor's ``post_grad_custom_pre_pass`` (a CustomGraphPass
-  with a source-hash ``uuid``), so Inductor compiles the rewritten graph;
+  whose ``uuid`` hashes the package source, the options and the exclusions, so Inductor's compile
+  caches serve rewritten graphs too: ``compile_cache.py``), so Inductor compiles the rewritten graph;
 - ``aot_eager`` / ``eager``: the rewritten aten graph runs as is;
 - ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
 
@@ -81,7 +82,7 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
 
     with tracking() as decisions:
         try:
-            return _compile_with_pass(gm, example_inputs, inner, config)
+            return _compile_with_pass(gm, example_inputs, inner, config, decisions)
         except torch._dynamo.exc.RestartAnalysis:
             # Dynamo's own control flow (e.g. under dynamic=True, AOTAutograd asks it to trace the
             # frame again with some scalars specialised): not a failure; the retrace calls us again
@@ -121,22 +122,10 @@ def _make_pass(gm, example_inputs, config):
     return MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config))
 
 
-def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):
+def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: BackendConfig, decisions=None):
     moe_pass = _make_pass(gm, example_inputs, config)
     if inner is InnerCompiler.INDUCTOR:
-        from torch._inductor import config as inductor_config
-        from torch._inductor.compile_fx import compile_fx
-
-        def pre_pass(graph):
-            before = graph.python_code("self").src
-            moe_pass(graph)
-            _graphs_done(config, before, graph.python_code("self").src)
-            _no_partitions_for_data_dependent_graphs(graph)
-
-        hook = _InductorHook(moe_pass, pre_pass)
-        with inductor_config.patch(post_grad_custom_pre_pass=hook, fx_graph_cache=False,
-                                   graph_partition=inductor_config.graph_partition):
-            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+        return _compile_inductor(gm, example_inputs, config, moe_pass, decisions if decisions is not None else [])
     if inner is InnerCompiler.TORCHAIR:
         from moe_compile.lowering.torchair import compile_with_torchair
 
@@ -198,17 +187,70 @@ def _no_partitions_for_data_dependent_graphs(graph) -> None:
             return
 
 
-class _InductorHook:
-    """Inductor's custom-pass slot wants ``__call__(graph)`` and ``uuid()``."""
+def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decisions: list):
+    """Inductor with the pass as its post-grad custom pass. Inductor's compile caches serve a graph
+    compiled before with the same pass, options and exclusions; the pass then does not run, and the
+    decisions stored with the first compile are replayed (``compile_cache.py``)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
 
-    def __init__(self, moe_pass, fn):
-        self._pass, self._fn = moe_pass, fn
+    from moe_compile import compile_cache
+
+    def pre_pass(graph):
+        before = graph.python_code("self").src
+        moe_pass(graph)
+        _graphs_done(config, before, graph.python_code("self").src)
+        _no_partitions_for_data_dependent_graphs(graph)
+
+    uncached = compile_cache.uncached_reason(config)
+    uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, example_inputs)
+    hook = _InductorHook(pre_pass, uuid)
+    patches = dict(post_grad_custom_pre_pass=hook, graph_partition=inductor_config.graph_partition)
+    if uncached:
+        patches["fx_graph_cache"] = False
+    with inductor_config.patch(**patches):
+        compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+    if uuid is not None:
+        key = compile_cache.decisions_key(uuid, gm, example_inputs)
+        if hook.ran:
+            compile_cache.save(key, list(decisions), example_inputs)
+        else:
+            _replay(compile_cache.load(key, example_inputs))
+    return compiled
+
+
+def _replay(stored) -> None:
+    from moe_compile.report import record
+
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    counters["from_cache"] += 1
+    if stored is None:
+        log.info("moe_compile: a graph came from Inductor's compile cache without its stored rewrite decisions")
+        return
+    log.info("moe_compile: a graph came from Inductor's compile cache; its %d decision(s) as first made:", len(stored))
+    for decision in stored:
+        record(decision)
+
+
+try:
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _CustomGraphPass
+except ImportError:  # pragma: no cover - older torch
+    _CustomGraphPass = object
+
+
+class _InductorHook(_CustomGraphPass):
+    """Inductor's custom-pass slot: ``__call__(graph)`` runs the pass; ``uuid()`` keys Inductor's
+    caches (None: not cacheable)."""
+
+    def __init__(self, fn, uuid: str | None):
+        self._fn, self._uuid, self.ran = fn, uuid, False
 
     def __call__(self, graph):
+        self.ran = True
         self._fn(graph)
 
     def uuid(self):
-        return self._pass.uuid()
+        return self._uuid
 
 
 def _compile_plain(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):

@@ -1,5 +1,9 @@
 """Session-wide test setup.
 
+Inductor's compile caches are off for the session: a graph served from them skips the pass, so a
+test that patches the pass (or counts what it does) would depend on which test compiled the same
+graph first. ``tests/passes/test_compile_cache.py`` turns them on, in a folder of its own.
+
 Without CUDA the Triton kernels run under Triton's interpreter. The interpreter flag must be set
 before triton is first imported, and many tests import it indirectly (Inductor, the experts
 registry), so it is set here, once, for the whole session.
@@ -7,9 +11,14 @@ registry), so it is set here, once, for the whole session.
 import os
 
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
 
 
 def pytest_report_header(config):

@@ -3,7 +3,9 @@
 tensors, kept in step with them.
 
 The rewritten graph calls ``moe_compile::stacked_weights(parts, key)`` once per block with the
-source weights themselves (graph inputs); it returns every copy the block reads. The copies are
+source weights themselves (graph inputs); it returns every copy the block reads. ``key`` is the text
+of the block's recipes (how each copy is made from ``parts``), so a graph loaded from Inductor's
+compile cache in another process finds its entry by reading the key back. The copies are
 made once, at compile time; each call then compares the sources' version counters (bumped by
 every in-place write: ``p.mul_()``, ``load_state_dict``, an optimizer step) with those the copies
 were made from, and re-makes them in place when they changed. So a compiled model follows its
@@ -21,6 +23,7 @@ writes through ``.data`` (its own counter) and inference tensors have none. Afte
 """
 from __future__ import annotations
 
+import ast
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -55,19 +58,54 @@ class _Entry:
     signature: object  # hashable form of the recipes: graphs compiled again for the same block share copies
 
 
-_ENTRIES: dict[int, _Entry] = {}
+_ENTRIES: dict[str, _Entry] = {}
 _COPIES: dict[tuple, _Copy] = {}  # (recipe signature, source data_ptrs) -> copy
 _keys = itertools.count()
+_LOCAL = "local:"  # keys of recipes with no text form (EP/TP shards: they hold process groups)
 
 
-def _signature(recipes, key: int):
-    def freeze(x):
-        if isinstance(x, dict):
-            return tuple(sorted((k, freeze(v)) for k, v in x.items()))
-        if isinstance(x, (tuple, list)):
-            return tuple(freeze(v) for v in x)
-        return x
-    frozen = freeze(recipes)
+def _freeze(x):
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    if isinstance(x, (tuple, list)):
+        return tuple(_freeze(v) for v in x)
+    return x
+
+
+def _has_shard(recipe) -> bool:
+    return isinstance(recipe, tuple) and (recipe[:1] == ("shard",) or any(_has_shard(r) for r in recipe))
+
+
+def _key_of(recipes: tuple) -> str:
+    """The recipes as text that reads back to themselves (plain tuples of ints, strings and bools);
+    a process-local key for shard recipes."""
+    if not _has_shard(recipes):
+        text = repr(recipes)
+        try:
+            if ast.literal_eval(text) == recipes:
+                return text
+        except (ValueError, SyntaxError):
+            pass
+    return "%s%d" % (_LOCAL, next(_keys))
+
+
+def _entry(key: str) -> _Entry:
+    entry = _ENTRIES.get(key)
+    if entry is None and not key.startswith(_LOCAL):
+        try:
+            recipes = ast.literal_eval(key)
+        except (ValueError, SyntaxError):
+            recipes = None
+        if isinstance(recipes, tuple) and recipes:
+            entry = _ENTRIES[key] = _Entry(recipes, _signature(recipes, key))
+    if entry is None:
+        raise RuntimeError(f"moe_compile::stacked_weights: no weights registered under key {key!r} "
+                           f"(EP/TP shards of a graph compiled in another process?); recompile the model.")
+    return entry
+
+
+def _signature(recipes, key: str):
+    frozen = _freeze(recipes)
     try:
         hash(frozen)
     except TypeError:  # an unhashable argument in a shard recipe: this entry's copies are its own
@@ -135,12 +173,13 @@ def _make(recipes: tuple, parts) -> list:
         return [held_layout(_build(r, parts)) for r in recipes]
 
 
-def register(recipes: tuple, parts) -> tuple[int, list, list]:
+def register(recipes: tuple, parts) -> tuple[str, list, list]:
     """A new key for a block's ``recipes``, the copies of ``parts`` (the compile-time weights; shared
     with an earlier graph of the same block), and the number of dims each is made from (3: weights,
     2: biases)."""
-    key = next(_keys)
-    entry = _ENTRIES[key] = _Entry(tuple(recipes), _signature(tuple(recipes), key))
+    recipes = tuple(recipes)
+    key = _key_of(recipes)
+    entry = _ENTRIES.get(key) or _ENTRIES.setdefault(key, _Entry(recipes, _signature(recipes, key)))
     copy = _copy_for(entry, parts)
     _keep_fresh(entry, copy, parts)
     probe = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
@@ -156,12 +195,9 @@ def _keep_fresh(entry: _Entry, copy: _Copy, parts) -> None:
 
 
 @torch.library.custom_op("moe_compile::stacked_weights", mutates_args=())
-def stacked_weights(parts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
+def stacked_weights(parts: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     """Every copy one block reads, in one call (one dispatch per block, not per tensor)."""
-    entry = _ENTRIES.get(key)
-    if entry is None:
-        raise RuntimeError(f"moe_compile::stacked_weights: no weights registered under key {key} "
-                           f"(a graph compiled in another process?); recompile the model.")
+    entry = _entry(key)
     copy = _copy_for(entry, parts)  # another module through the same graph gets its own
     _keep_fresh(entry, copy, parts)
     # the cached tensors themselves: the op is declared functional, and no consumer writes into them
@@ -171,7 +207,7 @@ def stacked_weights(parts: list[torch.Tensor], key: int) -> list[torch.Tensor]:
 @stacked_weights.register_fake
 def _stacked_weights_fake(parts, key):
     probe = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]
-    return [parts[0].new_empty(held_layout(_build(r, probe)).shape) for r in _ENTRIES[key].recipes]
+    return [parts[0].new_empty(held_layout(_build(r, probe)).shape) for r in _entry(key).recipes]
 
 
 def _capturing(t: torch.Tensor) -> bool:

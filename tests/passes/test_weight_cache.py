@@ -102,8 +102,25 @@ def test_the_op_rebuilds_only_when_a_source_changed(monkeypatch):
     out = torch.ops.moe_compile.stacked_weights(parts, key)
     assert all(o is h for o, h in zip(out, held)) and len(builds) == 2  # the block's copies, re-made in place
     torch.testing.assert_close(out[0], torch.stack(parts[:2]).transpose(-1, -2))
-    with pytest.raises(RuntimeError, match="no weights registered under key -1"):
-        torch.ops.moe_compile.stacked_weights(parts, -1)
+    with pytest.raises(RuntimeError, match="no weights registered under key 'local:-1'"):
+        torch.ops.moe_compile.stacked_weights(parts, "local:-1")
+
+
+def test_a_key_reads_back_without_its_compile():
+    """A graph loaded from Inductor's compile cache (another process, or after ``torch._dynamo.reset()``)
+    calls the op with a key this process never registered: the key is the recipes' text, so the op
+    makes the entry and the copies from it."""
+    parts = [torch.randn(3, 4) for _ in range(2)] + [torch.randn(2, 4)]
+    key, _, _ = weight_cache.register([("stack", (0, 1), True), ("leaf", 2, False)], parts)
+    assert key == "(('stack', (0, 1), True), ('leaf', 2, False))"
+    weight_cache.clear()
+    out = torch.ops.moe_compile.stacked_weights(parts, key)
+    torch.testing.assert_close(out[0], torch.stack(parts[:2]))
+    torch.testing.assert_close(out[1], parts[2].unsqueeze(1))
+    fake = weight_cache._stacked_weights_fake(parts, key)
+    assert [f.shape for f in fake] == [o.shape for o in out]
+    with pytest.raises(RuntimeError, match="no weights registered"):
+        torch.ops.moe_compile.stacked_weights(parts, "(('nonsense'")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -207,4 +224,5 @@ def test_recompiles_share_one_copy():
         for tokens in (5, 1, 6, 7):
             x = _x(tokens)
             assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
-    assert len(weight_cache._ENTRIES) == 4 and len(weight_cache._COPIES) == 1
+    # four graphs, one recipe text (the key), one copy
+    assert len(weight_cache._ENTRIES) == 1 and len(weight_cache._COPIES) == 1
