@@ -41,12 +41,14 @@ MORE_FAMILIES = (
         name="deepseek_v2", model_type="deepseek_v2", config_class="DeepseekV2Config",
         model_class="DeepseekV2ForCausalLM",
         config_kwargs=tiny(_MOE, TINY_MLA, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
-                           first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                           first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4, topk_group=1,
                            routed_scaling_factor=2.0),
         block_classes=("DeepseekV2Moe",), num_moe_layers=2, experts_impls=DECORATED, router_kind=RouterKind.R5,
         router="fp32 linear -> softmax -> group max -> topk_group -> masked_fill(0.0) -> topk -> x scale (no renorm)",
         shared_experts=SharedExperts.UNGATED, capture=_GM,
-        notes="groups masked with 0.0 (not -inf): same picks as -inf because softmax scores are > 0",
+        notes="groups masked with 0.0 (not -inf): same picks as -inf because softmax scores are > 0; topk_group=1: "
+              "with groups scored by their max, the top-2 experts always lie in the top-2 groups, so keeping 2 "
+              "groups would pick as greedy does and the group choice would go untested",
     ),
     FamilySpec(
         name="deepseek_v2_greedy", model_type="deepseek_v2", config_class="DeepseekV2Config",
