@@ -126,8 +126,7 @@ def probe_logits(shape, dtype, gen: torch.Generator, device, spread: float | Non
     """
     num_tokens, num_experts = shape
     if spread is None:
-        step = 2.0 ** round(math.log2(4.0 / num_experts))
-        grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
+        grid = probes.probe_grid(num_experts, dtype)
         rows = [grid[torch.randperm(num_experts, generator=gen)] for _ in range(num_tokens)]
     else:
         span = max(256, num_experts)
@@ -135,6 +134,7 @@ def probe_logits(shape, dtype, gen: torch.Generator, device, spread: float | Non
         rows = [(torch.randperm(span, generator=gen)[:num_experts].float() - span / 2) * step
                 for _ in range(num_tokens)]
     return torch.stack(rows).to(device=device, dtype=dtype)
+
 
 
 @dataclass
@@ -231,6 +231,7 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
         ids_other = _eval(ctx, other, [anchor.ids])
         if ids_other is not None:
             extra.append((other.logits, ids_other[0], trial_bias))
+    extra += _negative_score_trial(ctx, anchor, bias)
     found = []
     for cfg in rt.candidate_configs(anchor, rt.hints(anchor, region, lambda node: scalar_input(ctx, node))):
         cfg_bias = bias if cfg.has_correction_bias else None
@@ -246,6 +247,27 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
     if found:
         return found
     return "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+
+
+def _negative_score_trial(ctx: GraphContext, anchor: rt.RouterAnchor, bias) -> list:
+    """One trial where every selection score is below zero: sigmoid scores of logits in about
+    [-4.5, -0.5] plus a bias of -1/2. A grouped router that masks the dropped groups with 0.0 instead of
+    -inf (AXK2) then picks a dropped expert over every kept one, which the op never does; a trained
+    bias can do this. fp32 routers only (in bf16 the shifted scores would tie)."""
+    logits_val = val(anchor.logits)
+    if bias is None or logits_val.dtype not in (torch.float32, torch.float64):
+        return []
+    shape = ctx.conc.shape(anchor.logits)
+    gen = torch.Generator().manual_seed(ctx.seed * 1000 + 300)
+    logits = probe_logits(shape, logits_val.dtype, gen, logits_val.device) - 2.5
+    probe = make_probe(ctx, anchor, 300, logits=logits)
+    if isinstance(probe, str):
+        return []
+    trial_bias = torch.full_like(bias, -0.5)
+    bias_val = val(anchor.bias)
+    probe.overrides[anchor.bias] = trial_bias.reshape(bias_val.shape).to(bias_val.device, bias_val.dtype)
+    ids = _eval(ctx, probe, [anchor.ids])
+    return [] if ids is None else [(logits, ids[0], trial_bias)]
 
 
 def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.Tensor:

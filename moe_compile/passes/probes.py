@@ -32,14 +32,25 @@ LARGE_SCALE = {torch.float16: 8.0}  # others: 32
 COVERAGE_SEED, SKEW_SEED, LARGE_SEED, MOVED_SEED = 300, 400, 500, 600
 
 
+def probe_grid(num_experts: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``num_experts`` evenly spaced logits over about ±2, exactly representable in ``dtype``, and
+    off-centre by an eighth of a step where ``dtype`` holds that: a grid symmetric about 0 makes
+    ``sigmoid(a) + sigmoid(-a) = 1`` exactly, so two groups' top-2 sums tie (with a zero selection
+    bias), and the block's ``torch.topk`` and the op then keep different groups. (bf16 holds the
+    offset up to 64 experts; routers with more compute their scores in fp32.)"""
+    step = 2.0 ** round(math.log2(4.0 / num_experts))
+    centred = torch.arange(num_experts, dtype=torch.float32) - num_experts / 2
+    shifted = (centred + 0.125) * step
+    return shifted if torch.equal(shifted.to(dtype).float(), shifted) else centred * step
+
+
 def coverage_logits(shape, top_k: int, first: int, dtype, device, gen: torch.Generator) -> torch.Tensor:
     """Logits whose token ``j`` ranks experts ``first + j*top_k ... + top_k - 1`` (mod E) highest,
     in a shuffled order, every other expert below them shuffled; distinct, exactly representable
     values (``probe_logits``' grid). Neighbouring experts share a group, so a grouped router keeps
     them when ``top_k`` experts span no more groups than it keeps."""
     num_tokens, num_experts = shape
-    step = 2.0 ** round(math.log2(4.0 / num_experts))
-    grid = (torch.arange(num_experts, dtype=torch.float32) - num_experts / 2) * step
+    grid = probe_grid(num_experts, dtype)
     high, low = grid[num_experts - top_k:], grid[:num_experts - top_k]
     wanted = (first + torch.arange(num_tokens)[:, None] * top_k + torch.arange(top_k)) % num_experts
     chosen = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, wanted, True)

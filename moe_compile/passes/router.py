@@ -11,6 +11,7 @@ ordered by what the structure suggests. This recognises every spelling of the sa
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +25,8 @@ from moe_compile.passes.graph import (
 )
 
 TRANSPOSE_OPS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.expand.default}
+
+log = logging.getLogger("moe_compile")
 
 
 @dataclass
@@ -78,7 +81,12 @@ def find_anchors(graph: fx.Graph, names: dict | None = None) -> list[tuple[fx.No
     out = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target is aten.topk.default:
-            out.append((node, _anchor(node, names)))
+            try:
+                anchor = _anchor(node, names)
+            except Exception as exc:  # one odd top-k must not stop the pass over the graph's other blocks
+                log.debug("moe_compile: reading top-k %s raised", node.name, exc_info=True)
+                anchor = "reading this top-k raised %s: %s" % (type(exc).__name__, str(exc).split("\n")[0][:160])
+            out.append((node, anchor))
     return out
 
 
@@ -96,9 +104,14 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     if not largest:
         return "top-k picks the smallest scores"
-    num_experts, top_k = int(sval.shape[-1]), topk.args[1]
+    top_k = topk.args[1]
     if not isinstance(top_k, int):
         return "top-k's k is symbolic"
+    try:
+        num_experts = int(sval.shape[-1])
+    except Exception:  # a data-dependent width (an attention indexer's kept keys): no guard can fix it
+        return "top-k over a data-dependent number of scores (%s), not a fixed number of experts" % (
+            sval.shape[-1],)
     ids = next((u for u in topk.users if is_getitem(u, 1)), None)
     values = next((u for u in topk.users if is_getitem(u, 0)), None)
     if ids is None:

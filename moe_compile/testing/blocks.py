@@ -59,6 +59,7 @@ class MoEBlockConfig:
     routed_scaling_factor: float = 2.5
     n_shared_experts: int = 1
     router_bias: bool = False  # a bias in the fp32 router GEMM (an addmm in the captured graph)
+    group_mask_fill: float = float("-inf")  # what the dropped groups' scores become (AXK2: 0.0)
 
     def __post_init__(self):
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
@@ -304,7 +305,7 @@ class GroupedSigmoidGate(nn.Module):
             .expand(num_tokens, cfg.n_group, cfg.num_experts // cfg.n_group)
             .reshape(num_tokens, -1)
         )
-        tmp_scores_TE = scores_for_choice_TE.masked_fill(~score_mask_TE.bool(), float("-inf"))
+        tmp_scores_TE = scores_for_choice_TE.masked_fill(~score_mask_TE.bool(), cfg.group_mask_fill)
         topk_idx_TK = torch.topk(tmp_scores_TE, k=cfg.top_k, dim=-1, sorted=False)[1]
         topk_weight_TK = scores_TE.gather(1, topk_idx_TK)
         if cfg.renormalize:

@@ -20,14 +20,14 @@ import torch
 from moe_compile.testing.zoo_extra import EXTRA_FAMILIES
 from moe_compile.testing.zoo_families import CORE_FAMILIES
 from moe_compile.testing.zoo_more import MORE_FAMILIES
-from moe_compile.testing.zoo_recent import MULTIMODAL_FAMILIES, RECENT_FAMILIES
+from moe_compile.testing.zoo_recent import DEEPSEEK_LIKE_FAMILIES, MULTIMODAL_FAMILIES, RECENT_FAMILIES
 from moe_compile.testing.zoo_spec import ExpertsImpl, FamilySpec
 
 logger = logging.getLogger("moe_compile")
 
 MOE_FAMILIES: types.MappingProxyType = types.MappingProxyType(
     {spec.name: spec for spec in CORE_FAMILIES + MORE_FAMILIES + EXTRA_FAMILIES + MULTIMODAL_FAMILIES
-     + RECENT_FAMILIES}
+     + RECENT_FAMILIES + DEEPSEEK_LIKE_FAMILIES}
 )
 # The families issue 3 names explicitly.
 CORE_FAMILY_NAMES = tuple(spec.name for spec in CORE_FAMILIES)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import types
 
+from moe_compile.testing.zoo_extra import _SPARSE, _fam, _r4
 from moe_compile.testing.zoo_spec import (
-    DECORATED, NATIVE, Capture, ExpertsImpl, FamilySpec, RouterKind, SharedExperts, capture_map, tiny,
+    DECORATED, NATIVE, TINY_MLA, Capture, ExpertsImpl, FamilySpec, RouterKind, SharedExperts, capture_map, tiny,
 )
 
 _MOE = dict(num_experts_per_tok=2)
@@ -306,4 +307,56 @@ RECENT_FAMILIES = (
         notes="as inkling2; layer 1 is a loop layer run loop_num_passes=2 times, so the graph holds 3 MoE "
               "calls for 2 block modules (the moe_compile 'skipped' counter says 3, the report 2 rows)",
     ),
+)
+
+_CLAMPED_SWIGLU = ("experts' _apply_gate is a clamped SwiGLU, silu(clamp(gate, max=L)) * clamp(up, -L, L) "
+                   "(swiglu_limit L=10): neither the op's silu (no clamp) nor its swigluoai "
+                   "((clamp(up)+1) * gate * sigmoid(alpha * gate))")
+# the DSA attention indexer shrunk to the tiny shapes (hy_v4, glm5_next, axk2, dots3_note, mistral_large4)
+_DSA = dict(index_head_dim=16, index_n_heads=2, index_topk=8)
+_AXK2 = tiny(_MOE, TINY_MLA, _SPARSE, _DSA, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+             gated_norm_rank=4)
+
+DEEPSEEK_LIKE_FAMILIES = (
+    _r4("kimi_linear", "KimiLinearConfig", "KimiLinearForCausalLM", "KimiLinearMoE", mla=True,
+        num_local_experts=8, n_shared_experts=1, layer_types=["linear_attention", "full_attention"],
+        linear_head_dim=16, linear_num_heads=4),  # its KDA layers run their torch fallback on the CPU
+    _fam("glm5_next", "Glm5NextTextConfig", "Glm5NextTextModel", "Glm5NextTextMoE", RouterKind.R4, _R4,
+         tiny(_MOE, TINY_MLA, _SPARSE, _DSA, moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+              n_shared_experts=1, qk_rope_head_dim=0,  # DSA layers must be NoPE
+              layer_types=["linear_attention", "indexed_attention"], linear_head_dim=16, linear_num_heads=4,
+              index_kpool=4, hc_mult=2),
+         model_type="glm5_next_text", shared=SharedExperts.UNGATED, per_layer=("layer_types", "mlp_layer_types"),
+         expressible=False, skip_reason=_CLAMPED_SWIGLU,
+         notes="text model only (last_hidden_state); KDA + DSA-indexed MLA layers, 2 hyper-connection streams; "
+               "the indexer's top-k has a data-dependent last dim (it used to stop the whole pass)"),
+    _fam("hy_v4", "HYV4Config", "HYV4ForCausalLM", "HYV4MoE", RouterKind.R4, _R4,
+         tiny(_MOE, TINY_MLA, _SPARSE, _DSA, moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
+              n_shared_experts=1, hc_mult=2),
+         shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",), expressible=False,
+         skip_reason=_CLAMPED_SWIGLU,
+         notes="n_group=1 in the release (global top-k); 4 here to exercise the group path"),
+    _fam("axk2", "AXK2Config", "AXK2ForCausalLM", "AXK2MoE", RouterKind.R3,
+         "fp32 linear -> sigmoid -> topk(scores + e_score_correction_bias) -> gather -> /(sum+1e-20) "
+         "-> x routed_scaling_factor", _AXK2,
+         shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",),
+         notes="A.X-K2's config default: n_group=None, no group step"),
+    _fam("axk2_grouped", "AXK2Config", "AXK2ForCausalLM", "AXK2MoE", RouterKind.R4,
+         "as deepseek_v3, but the dropped groups' biased scores are masked with 0.0, not -inf",
+         tiny(_AXK2, n_group=4, topk_group=2),
+         model_type="axk2", shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",), expressible=False,
+         skip_reason="the dropped groups are masked with 0.0, not -inf: when a bias makes the kept experts' "
+                     "scores negative, a dropped expert is picked, which the op's group-limited routing never does",
+         notes="rewritten as DeepSeek-V3 routing until the twenty-first session (0.95 off eager once the bias "
+               "made scores negative); the routing probes now include scores below zero"),
+    _r4("dots3_note", "Dots3NoteTextConfig", "Dots3NoteForCausalLM", "Dots3NoteTextMoE", mla=True,
+        n_shared_experts=1, shared_experts_intermediate_size=32, routed_scaling_factor=2.5,
+        layer_types=["indexed_attention"], **_DSA),  # the default layer_types adds sliding layers from layer 2
+    _fam("mistral_large4", "MistralLarge4TextConfig", "MistralLarge4TextModel", "MistralLarge4TextMoE", RouterKind.R5,
+         "fp32 linear -> softmax -> group top2-sum -> topk_group -> masked_fill(0.0) -> topk -> gather "
+         "-> /(sum+1e-20) (always) -> x routed_scaling_factor",
+         tiny(_MOE, TINY_MLA, _SPARSE, _DSA, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
+              n_group=4, topk_group=2, routed_scaling_factor=1.5),
+         model_type="mistral_large4_text", shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",),
+         notes="text model only (last_hidden_state); 0.0 mask is harmless: softmax scores are > 0"),
 )
