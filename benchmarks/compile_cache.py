@@ -1,7 +1,8 @@
 """Compile time with Inductor's compile caches: a cold compile, then the same model in new processes.
 
     python benchmarks/compile_cache.py [--models qwen3 mixtral deepseek_v3] [--layers 2] [--size decode]
-        [--modes inductor moe_npu] [--warm 2] [--device cuda] [--tiny] [--out benchmarks/results]
+        [--modes inductor moe_npu] [--warm 2] [--device cuda] [--tiny] [--compile-mode reduce-overhead]
+        [--out benchmarks/results]
 
 The models are ``bench_e2e.py``'s (the real models' layer dimensions, random weights, bf16; ``--tiny``
 shrinks them for a CPU run). For each model and mode, every measurement is a new Python process that
@@ -42,9 +43,10 @@ def child(args) -> None:
     torch._dynamo.utils.counters.clear()
     t0 = time.perf_counter()
     with torch.no_grad():
-        options = {"options": {"inner_compiler": "inductor"}} if args.mode == "moe_npu" else {}
+        inner = {"inner_compiler": "inductor", **({"mode": args.compile_mode} if args.compile_mode else {})}
+        options = {"options": inner} if args.mode == "moe_npu" else {"mode": args.compile_mode}
         fast = torch.compile(model, backend=args.mode, dynamic=False, **options)
-        out = fast(input_ids=ids).logits
+        out = fast(input_ids=ids).logits.clone()
         if args.device == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -60,7 +62,11 @@ def child(args) -> None:
 
 def measure(args, model: str, mode: str, cache: str, seed: int) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--mode", mode, "--seed", str(seed),
-           "--layers", str(args.layers), "--size", args.size, "--device", args.device] + (["--tiny"] if args.tiny else [])
+           "--layers", str(args.layers), "--size", args.size, "--device", args.device]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.compile_mode:
+        cmd += ["--compile-mode", args.compile_mode]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(Path(__file__).parent))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -78,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead")
+    parser.add_argument("--json-name", default="compile_cache.json")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -88,7 +96,8 @@ def main(argv=None) -> int:
         child(args)
         return 0
     rows = []
-    print("| model | mode | cold s | warm s | warm/cold | warm run: FX cache, AOT cache, rewritten (from cache) | rel. err |")
+    print("| model | mode | cold s | warm s | warm/cold | warm run: FX cache, AOT cache, rewritten (from cache) "
+          "| rel. err |")
     print("|---|---|---:|---:|---:|---|---:|")
     for model in args.models:
         for mode in args.modes:
@@ -106,8 +115,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"torch": torch.__version__, "device": args.device, "layers": args.layers, "size": args.size,
-            "tiny": args.tiny}
-    (out / "compile_cache.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            "tiny": args.tiny, "compile_mode": args.compile_mode}
+    (out / args.json_name).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0
 
 

@@ -203,7 +203,7 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
         _no_partitions_for_data_dependent_graphs(graph)
 
     uncached = compile_cache.uncached_reason(config)
-    uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, example_inputs)
+    uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, gm, example_inputs)
     hook = _InductorHook(pre_pass, uuid)
     patches = dict(post_grad_custom_pre_pass=hook, graph_partition=inductor_config.graph_partition)
     if uncached:
@@ -211,11 +211,10 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
     with inductor_config.patch(**patches):
         compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
     if uuid is not None:
-        key = compile_cache.decisions_key(uuid, gm, example_inputs)
         if hook.ran:
-            compile_cache.save(key, list(decisions), example_inputs)
+            compile_cache.save(uuid, list(decisions), example_inputs)
         else:
-            _replay(compile_cache.load(key, example_inputs))
+            _replay(compile_cache.load(uuid, example_inputs))
     return compiled
 
 

@@ -13,8 +13,8 @@ random values; a candidate is also checked once with the model's own weights, an
 decision made with the first compile's weights, as a compiled model keeps its rewrite when its weights
 change later.
 
-The per-block decisions (the report, the log, the counters) are stored beside Inductor's cache under a
-key of the pass's ``uuid()``, Dynamo's graph and its inputs' metadata, and replayed on a hit.
+The per-block decisions (the report, the log, the counters) are stored beside Inductor's cache under the
+pass's ``uuid()`` (which holds Dynamo's graph and its inputs' metadata too), and replayed on a hit.
 
 No caching (the pass runs on every compile, as before) where the compile needs it to: ``verify``
 (checks at compile time), ``dump_dir`` and ``explain()`` (they want the graphs), and EP/TP groups (each
@@ -71,13 +71,17 @@ def _config_text(config: BackendConfig, op_kwargs: dict) -> str:
                  sorted(op_kwargs.items())))
 
 
-def pass_uuid(config: BackendConfig, op_kwargs: dict, example_inputs) -> str:
-    """The pass's ``uuid()`` for this compile: its source, the options, and which inputs belong to
-    modules excluded with ``moe_compile.exclude``."""
+def pass_uuid(config: BackendConfig, op_kwargs: dict, gm: torch.fx.GraphModule, example_inputs) -> str:
+    """The pass's ``uuid()`` for this compile, also the key of its stored decisions: the package source,
+    the options, which inputs belong to modules excluded with ``moe_compile.exclude``, and Dynamo's
+    graph with its inputs' metadata. Inductor's own key is the graph after AOTAutograd, which two model
+    families can share while their decisions (block paths) differ: with Dynamo's graph in the uuid,
+    a hit always finds the decisions made for the same graph."""
     excluded = excluded_tensor_ids()
     marked = [i for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and id(t) in excluded]
     digest = hashlib.sha256()
-    for part in (package_hash(), _config_text(config, op_kwargs), repr(marked), torch.__version__):
+    for part in [package_hash(), _config_text(config, op_kwargs), repr(marked), torch.__version__, gm.code] + [
+            _input_text(t) for t in example_inputs]:
         digest.update(part.encode())
     return digest.hexdigest()
 
@@ -86,13 +90,6 @@ def _input_text(t) -> str:
     if isinstance(t, torch.Tensor):
         return "T%s/%s/%s/%s" % (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type)
     return type(t).__name__
-
-
-def decisions_key(uuid: str, gm: torch.fx.GraphModule, example_inputs) -> str:
-    digest = hashlib.sha256()
-    for part in [uuid, gm.code] + [_input_text(t) for t in example_inputs]:
-        digest.update(part.encode())
-    return digest.hexdigest()
 
 
 def _folder() -> pathlib.Path:

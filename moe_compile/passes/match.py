@@ -17,7 +17,7 @@ from moe_compile.passes import experts as ex
 from moe_compile.passes import probes
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
-    CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, backward_slice, forward_slice, in_scope,
+    CAST_OPS, VIEW_OPS, Concretizer, aten, SliceEvaluator, backward_slice, forward_slice, in_scope,
     module_path, module_stack, parent_path, val,
 )
 
@@ -47,6 +47,9 @@ class BlockMatch:
     path: str
     old_nodes: set[fx.Node] = field(default_factory=set)
     bias_value: torch.Tensor | None = None
+    # the graph input the routing scale is read from (a Python number Dynamo passes in), and whether
+    # it divides: the op then runs with scale 1 and its output is scaled per call (scale_source)
+    scale_input: tuple | None = None
 
     def router_kind(self) -> str:
         return describe_routing(self.routing)
@@ -282,8 +285,8 @@ def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.T
 def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
     """The value of a one-element tensor computed only from Python numbers that Dynamo made graph
     inputs (a routing scale under ``dynamic=True``; AOTAutograd passes them as float64 0-d tensors),
-    else ``None``. The rewrite bakes it in as a constant, as a static compile does with the literal.
-    Parameters and buffers are refused: they can change after compiling."""
+    else ``None``. A routing scale read so is read by the rewritten graph per call (``scale_source``):
+    Dynamo does not recompile when the number changes. Parameters and buffers are refused."""
     fake = val(node)
     if not isinstance(fake, torch.Tensor) or fake.numel() != 1:
         return None
@@ -439,8 +442,33 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
                 if isinstance(fused_anchor, str):
                     return fused_anchor
                 old = backward_slice([output], set(probe.overrides))
-                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value)
+                scale = scale_source(ctx, anchor, scope, routing.routed_scaling_factor)
+                if scale is not None and choice.config.apply_router_weight_on_input:
+                    return ("the routing scale is a Python number passed in per call (dynamic=True) and the "
+                            "weights multiply the experts' input: the op cannot take that scale per call")
+                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value, scale)
     return stressed or no_output_reason(ctx, anchor, probe, list(tried))
+
+
+def scale_source(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str, factor: float) -> tuple | None:
+    """(node, divides) when the routing scale ``factor`` is read from a one-element graph input (under
+    ``dynamic=True`` Dynamo passes Python floats such as ``routed_scaling_factor`` in and does not
+    recompile when they change: a baked-in constant would go stale, e.g. for a second model of the
+    same class), else ``None`` (a literal, guarded by Dynamo)."""
+    if factor == 1.0:
+        return None
+    for node in sorted(forward_slice(anchor.topk) | set(anchor.chain), key=lambda n: n.name):
+        divides = node.target in (aten.div.Tensor, aten.div.Scalar)
+        if not (divides or node.target in (aten.mul.Tensor, aten.mul.Scalar)) or not in_scope(node, scope):
+            continue
+        for arg in node.args[1:] if divides else node.args:
+            fake = val(arg) if isinstance(arg, fx.Node) else None
+            if not isinstance(fake, torch.Tensor) or fake.dim() != 0:
+                continue
+            value = scalar_input(ctx, arg)
+            if value and (1.0 / value if divides else value) == factor:
+                return arg, divides
+    return None
 
 
 def _real_weights(ctx: GraphContext, choice: ex.ExpertsChoice) -> tuple:

@@ -270,7 +270,8 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
                 bias = _call(graph, aten.reshape.default, (bias, [routing.num_experts]), anchor.x)
         kwargs = dict(
             num_experts=routing.num_experts, top_k=routing.top_k, routing_method=routing.method.value,
-            renormalize=routing.renormalize, routed_scaling_factor=float(routing.routed_scaling_factor),
+            renormalize=routing.renormalize,
+            routed_scaling_factor=1.0 if match.scale_input else float(routing.routed_scaling_factor),
             k_group=routing.k_group, group_count=routing.group_count,
             group_select_mode=routing.group_select_mode, normalize_sigmoid=routing.normalize_sigmoid,
             scoring_after_topk=routing.scoring_after_topk, activation=experts.activation.value,
@@ -292,8 +293,11 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
         fused = _call(graph, torch.ops.moe_compile.fused_moe.default,
                       (x, logits, w13, w2, b13, b2, bias), out, kwargs)
         result = fused
+        if match.scale_input:  # a scale Dynamo passes in per call: read it per call (linear in the weights)
+            node, divides = match.scale_input
+            result = _call(graph, aten.div.Tensor if divides else aten.mul.Tensor, (fused, node), out)
         if val(out).dtype != act_dtype:
-            result = _call(graph, torch.ops.prims.convert_element_type.default, (fused, val(out).dtype), out)
+            result = _call(graph, torch.ops.prims.convert_element_type.default, (result, val(out).dtype), out)
     out.replace_all_uses_with(result)
     _drop_old(graph, match, {anchor.x, anchor.logits, logits})
     return fused

@@ -96,15 +96,18 @@ def test_uncached_reasons_and_the_uuid():
     with collecting():
         assert "explain" in compile_cache.uncached_reason(config)
     inputs = [torch.zeros(2), torch.zeros(3)]
-    base = compile_cache.pass_uuid(config, {}, inputs)
-    assert base == compile_cache.pass_uuid(config, {}, [torch.ones(2), torch.ones(3)])  # values do not count
+    gm = torch.fx.symbolic_trace(lambda a, b: a.sum() + b.sum())
+    base = compile_cache.pass_uuid(config, {}, gm, inputs)
+    assert base == compile_cache.pass_uuid(config, {}, gm, [torch.ones(2), torch.ones(3)])  # values do not count
     other = moe_compile.options.parse_options({"exclude": "model.layers.1.*"})
-    assert compile_cache.pass_uuid(other, {}, inputs) != base
-    assert compile_cache.pass_uuid(config, {"lowering": "cpu"}, inputs) != base
+    assert compile_cache.pass_uuid(other, {}, gm, inputs) != base
+    assert compile_cache.pass_uuid(config, {"lowering": "cpu"}, gm, inputs) != base
+    assert compile_cache.pass_uuid(config, {}, torch.fx.symbolic_trace(lambda a, b: a.sum() - b.sum()), inputs) != base
+    assert compile_cache.pass_uuid(config, {}, gm, [torch.zeros(2), torch.zeros(4)]) != base
     module = torch.nn.Linear(2, 2)
     moe_compile.exclude(module)
     try:
-        assert compile_cache.pass_uuid(config, {}, [module.weight, inputs[1]]) != base
+        assert compile_cache.pass_uuid(config, {}, gm, [module.weight, inputs[1]]) != base
     finally:
         moe_compile.report._EXCLUDED.discard(module)
 
@@ -125,3 +128,21 @@ def test_stored_decisions_round_trip(tmp_path):
         assert compile_cache.load("bad", []) is None
     assert loaded == decisions  # router_weight_id is not compared; it is resolved in the new inputs
     assert loaded[0].router_weight_id == id(other) and loaded[1].router_weight_id is None
+
+
+def test_a_cached_graph_reads_the_new_models_routing_scale(caches_on):
+    """``dynamic=True``: the routing scale is a graph input, not part of any cache key; another model of
+    the same class with another scale is served the first one's compiled graph and must compute with
+    its own scale (dots3_note then glm4_moe_lite in one process were 0.89 off before)."""
+    from .test_router_probes import _deepseek_v3_scaled
+
+    for scale, hits in ((2.5, 0), (1.0, 1)):
+        model, kwargs = _deepseek_v3_scaled(scale)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        with torch.no_grad():
+            fast = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "inductor"})
+            diff = max_rel_diff(first_tensor(fast(**kwargs)), first_tensor(model(**kwargs)))
+        assert diff <= TOL[torch.float32], (scale, diff)
+        assert torch._dynamo.utils.counters["inductor"].get("fxgraph_cache_hit", 0) == hits
+        assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1

@@ -68,8 +68,7 @@ class _BlockThenDataDependentTopk(torch.nn.Module):
         return y, scores.topk(2, dim=-1).values
 
 
-def test_a_top_k_over_a_data_dependent_width_does_not_stop_the_pass(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+def test_a_top_k_over_a_data_dependent_width_does_not_stop_the_pass():
     torch.manual_seed(0)
     model = _BlockThenDataDependentTopk().eval()
     with torch.no_grad():
@@ -78,8 +77,33 @@ def test_a_top_k_over_a_data_dependent_width_does_not_stop_the_pass(monkeypatch)
     x = torch.randn(1, 5, blocks.MoEBlockConfig().hidden_size)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    report, diff = explain_and_compare(model, {"x": x})
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        report, diff = explain_and_compare(model, {"x": x})
     assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
     assert report.rewritten == ["moe"], str(report)
     assert any("data-dependent number of scores" in reason for _, reason in report.skipped), str(report)
     assert diff <= TOL[torch.float32], diff
+
+
+def _deepseek_v3_scaled(scale: float):
+    model, kwargs = zoo.build_model("deepseek_v3", num_layers=1)
+    for module in model.modules():
+        if isinstance(getattr(module, "routed_scaling_factor", None), float):
+            module.routed_scaling_factor = scale
+    return model, kwargs
+
+
+def test_a_routing_scale_passed_in_per_call_is_read_per_call():
+    """Under ``dynamic=True`` Dynamo passes ``routed_scaling_factor`` (a Python float) in as a graph input
+    and does not recompile when it changes: a second model of the same class with another scale runs
+    the first one's graph. The rewrite had baked the first model's scale in (0.49 off eager)."""
+    first, kwargs = _deepseek_v3_scaled(2.5)
+    second, _ = _deepseek_v3_scaled(1.0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"inner_compiler": "aot_eager"}
+    with torch.no_grad():
+        for model in (first, second):
+            out = torch.compile(model, backend="moe_npu", dynamic=True, options=options)(**kwargs)
+            assert max_rel_diff(first_tensor(out), first_tensor(model(**kwargs))) <= TOL[torch.float32]
+    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1  # one graph served both
