@@ -39,6 +39,25 @@ _R3_INKLING2 = ("fp32 linear -> score_fn = ACT2FN[config.scoring_func] (sigmoid)
 _SOFTCAP_SKIP = ("experts use a softcapped SwiGLU, mlp_gate_softcap*tanh(g/mlp_gate_softcap) * sigmoid(g) * "
                  "mlp_up_softcap*tanh(u/mlp_up_softcap) (4.0, 25.0): not one of the op's activations")
 
+
+def _ocr(name: str, prefix: str, **kwargs) -> FamilySpec:
+    """The DeepSeek-V2-style text decoders of the OCR families (R5 routers, an ungated shared expert)."""
+    model_type = {"DeepseekOcr2": "deepseek_ocr2_text", "UnlimitedOcr": "unlimited_ocr_text"}[prefix]
+    return FamilySpec(
+        name=name, model_type=model_type, config_class=prefix + "TextConfig", model_class=prefix + "TextModel",
+        config_kwargs=tiny(_MOE, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
+                           mlp_layer_types=["sparse"], routed_scaling_factor=2.0, **kwargs),
+        block_classes=(prefix + "TextMoe",), num_moe_layers=2, experts_impls=DECORATED,
+        router_kind=RouterKind.R5, router=_R5, shared_experts=SharedExperts.UNGATED, capture=_GM,
+        per_layer_keys=("mlp_layer_types",),
+    )
+
+
+_INKLING2 = tiny(num_experts_per_tok=2, n_routed_experts=8, intermediate_size=32,
+                 layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=16, swa_num_attention_heads=4,
+                 swa_num_key_value_heads=2, swa_head_dim=16, d_rel=4, rel_extent=16,
+                 n_layers_per_attn_res_block=1, unpadded_vocab_size=128)
+
 MULTIMODAL_FAMILIES = (
     FamilySpec(
         name="qwen3_vl_moe", model_type="qwen3_vl_moe_text", config_class="Qwen3VLMoeTextConfig",
@@ -108,36 +127,9 @@ MULTIMODAL_FAMILIES = (
         notes="indexed (DSA-style) attention with an indexer top-k over keys (index_topk=4 < T exercises it); "
               "hyper-connections around attention and MoE",
     ),
-    FamilySpec(
-        name="deepseek_ocr2", model_type="deepseek_ocr2_text", config_class="DeepseekOcr2TextConfig",
-        model_class="DeepseekOcr2TextModel",
-        config_kwargs=tiny(_MOE, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
-                           mlp_layer_types=["sparse"], topk_method="greedy", routed_scaling_factor=2.0),
-        block_classes=("DeepseekOcr2TextMoe",), num_moe_layers=2, experts_impls=DECORATED,
-        router_kind=RouterKind.R5, router=_R5, shared_experts=SharedExperts.UNGATED, capture=_GM,
-        per_layer_keys=("mlp_layer_types",),
-    ),
-    FamilySpec(
-        name="deepseek_ocr2_grouped", model_type="deepseek_ocr2_text", config_class="DeepseekOcr2TextConfig",
-        model_class="DeepseekOcr2TextModel",
-        config_kwargs=tiny(_MOE, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
-                           mlp_layer_types=["sparse"], topk_method="group_limited_greedy", n_group=4, topk_group=1,
-                           routed_scaling_factor=2.0),
-        block_classes=("DeepseekOcr2TextMoe",), num_moe_layers=2, experts_impls=DECORATED,
-        router_kind=RouterKind.R5, router=_R5, shared_experts=SharedExperts.UNGATED, capture=_GM,
-        per_layer_keys=("mlp_layer_types",),
-    ),
-    FamilySpec(
-        name="unlimited_ocr", model_type="unlimited_ocr_text", config_class="UnlimitedOcrTextConfig",
-        model_class="UnlimitedOcrTextModel",
-        config_kwargs=tiny(_MOE, n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1,
-                           mlp_layer_types=["sparse"], topk_method="greedy", routed_scaling_factor=2.0,
-                           sliding_window=16),
-        block_classes=("UnlimitedOcrTextMoe",), num_moe_layers=2, experts_impls=DECORATED,
-        router_kind=RouterKind.R5, router=_R5, shared_experts=SharedExperts.UNGATED, capture=_GM,
-        per_layer_keys=("mlp_layer_types",),
-        notes="MoE code identical to deepseek_ocr2; layers are reference_sliding_attention",
-    ),
+    _ocr("deepseek_ocr2", "DeepseekOcr2", topk_method="greedy"),
+    _ocr("deepseek_ocr2_grouped", "DeepseekOcr2", topk_method="group_limited_greedy", n_group=4, topk_group=1),
+    _ocr("unlimited_ocr", "UnlimitedOcr", topk_method="greedy", sliding_window=16),  # MoE code = deepseek_ocr2's
     FamilySpec(
         name="aria", model_type="aria", config_class="AriaConfig", model_class="AriaForConditionalGeneration",
         config_kwargs=types.MappingProxyType(dict(
@@ -283,10 +275,7 @@ RECENT_FAMILIES = (
     FamilySpec(
         name="inkling2", model_type="inkling2_text", config_class="Inkling2TextConfig",
         model_class="Inkling2ForCausalLM",
-        config_kwargs=tiny(num_experts_per_tok=2, n_routed_experts=8, intermediate_size=32,
-                           layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=16,
-                           swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, d_rel=4,
-                           rel_extent=16, n_layers_per_attn_res_block=1, unpadded_vocab_size=128),
+        config_kwargs=_INKLING2,
         block_classes=("Inkling2SparseMoeBlock",), num_moe_layers=2, experts_impls=DECORATED,
         router_kind=RouterKind.R3, router=_R3_INKLING2, activation="softcapped_swiglu",
         expressible=False, skip_reason=_SOFTCAP_SKIP, capture=_GM, per_layer_keys=("layer_types",),
@@ -296,11 +285,8 @@ RECENT_FAMILIES = (
     FamilySpec(
         name="inkling2_loop", model_type="inkling2_loop_text", config_class="Inkling2LoopTextConfig",
         model_class="Inkling2LoopForCausalLM",
-        config_kwargs=tiny(num_experts_per_tok=2, n_routed_experts=8, intermediate_size=32,
-                           layer_types=["hybrid_sliding", "hybrid"], sliding_window_size=16,
-                           swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16, d_rel=4,
-                           rel_extent=16, n_layers_per_attn_res_block=1, unpadded_vocab_size=128,
-                           loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8),
+        config_kwargs=tiny(_INKLING2, loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
+                           loop_gate_rank=8),
         block_classes=("Inkling2LoopSparseMoeBlock",), num_moe_layers=2, experts_impls=DECORATED,
         router_kind=RouterKind.R3, router=_R3_INKLING2, activation="softcapped_swiglu",
         expressible=False, skip_reason=_SOFTCAP_SKIP, capture=_GM, per_layer_keys=("layer_types",),
