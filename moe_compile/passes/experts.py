@@ -69,7 +69,7 @@ def matmul_cast(region: set[fx.Node], weight_dtype: torch.dtype) -> torch.dtype 
     dtypes = set()
     for node in region:
         # transformers' own grouped-GEMM op (``transformers.grouped_mm_fallback``) runs on CPU autocast
-        if node.target in _EXPERT_MM_OPS or "grouped_mm" in str(node.target):
+        if is_expert_matmul(node):
             v = val(node)
             if isinstance(v, torch.Tensor):
                 dtypes.add(v.dtype)
@@ -260,6 +260,14 @@ _REINDEX_OPS = VIEW_OPS | CAST_OPS | {
 }
 _EXPERT_MM_OPS = MATMUL_OPS | {getattr(aten, name).default for name in ("_grouped_mm", "baddbmm")
                                if hasattr(aten, name)}
+
+
+def is_expert_matmul(node: fx.Node) -> bool:
+    """A matmul the experts may run: aten's, or transformers' own grouped-GEMM op
+    (``transformers.grouped_mm_fallback``, what its fp32 ``grouped_mm`` experts become under Dynamo)."""
+    return node.target in _EXPERT_MM_OPS or "grouped_mm" in str(node.target)
+
+
 _ACTIVATION_NAMES = {
     aten.relu.default: "relu", aten.silu.default: "silu", aten.sigmoid.default: "sigmoid",
     aten.tanh.default: "tanh", aten.erf.default: "erf", aten.clamp.default: "clamp",
@@ -342,7 +350,7 @@ def activations_seen(slice_nodes: set[fx.Node], stop: set[fx.Node]) -> list[str]
     for node in _in_order(slice_nodes):
         if node.op != "call_function" or node in stop:
             continue
-        if node.target in _EXPERT_MM_OPS or any(i in after for i in node.all_input_nodes):
+        if is_expert_matmul(node) or any(i in after for i in node.all_input_nodes):
             after.add(node)
         name = _ACTIVATION_NAMES.get(node.target)
         if node.target is aten.gelu.default:

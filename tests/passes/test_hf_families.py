@@ -81,3 +81,14 @@ def test_family_bf16(name, impl):
         assert len(report.rewritten) == zoo.expected_moe_layers(name), str(report)
         # bf16 graphs put prims casts in a grouped router's group mask: still no skip counted
         assert torch._dynamo.utils.counters["moe_compile"]["skipped"] == len(report.skipped), str(report)
+
+
+def test_reason_names_the_activations_after_transformers_grouped_mm():
+    """fp32 ``grouped_mm`` experts become ``transformers.grouped_mm_fallback`` under Dynamo: the skip
+    reason lists the activations after it (it said "none" for inkling2's softcapped SwiGLU)."""
+    _require("inkling2", "grouped_mm")
+    model, kwargs = zoo.build_model("inkling2")
+    report, diff = explain_and_compare(model, kwargs)
+    assert diff <= TOL[torch.float32]
+    assert not report.rewritten and report.skipped, str(report)
+    assert all("activations tanh, sigmoid" in reason for _, reason in report.skipped), str(report)
