@@ -52,12 +52,29 @@ def _resolve_paths(model: torch.nn.Module, report: Report) -> None:
     ``output_router_logits=True``), Dynamo compiles the inner module's frame on its own and the paths
     it records start there (``layers.0.mlp`` for ``model.layers.0.mlp``)."""
     owners = {id(p): name.rsplit(".", 1)[0] for name, p in model.named_parameters(remove_duplicate=False)}
+    modules = dict(model.named_modules())
     blocks, report.blocks = report.blocks, []
     for block in blocks:
         owner = owners.get(block.router_weight_id) if block.router_weight_id is not None else None
+        if owner is not None and not block.path:  # the block's own frame: its router's module is inside it
+            owner = _router_module(owner, modules)
         if owner is not None and "." in owner:
             block = dataclasses.replace(block, path=full_path(block.path, owner))
         report.add(block)
+
+
+def _router_module(owner: str, modules: dict) -> str:
+    """The outermost router-like module around ``owner`` (dbrx's ``ffn.router`` for ``ffn.router.layer``),
+    whose parent is the block."""
+    from moe_compile.passes.match import looks_like_router
+
+    while "." in owner:
+        parent = owner.rsplit(".", 1)[0]
+        module = modules.get(parent)
+        if module is None or not looks_like_router(type(module)):
+            break
+        owner = parent
+    return owner
 
 
 def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs) -> Report:

@@ -154,9 +154,14 @@ class MoEFusionPass(_Base):
 def _block_path(topk: fx.Node) -> str:
     path = module_path(topk)
     stack = module_stack(topk)
-    # the router is usually its own module (``mlp.gate``); the block is its parent
-    if len(stack) >= 2 and stack[-1][1] is not None and match_mod.looks_like_router(stack[-1][1]):
-        return parent_path(path) or path
+    # the router is usually its own module (``mlp.gate``, or dbrx's ``ffn.router.layer``); the block is
+    # its parent. With one entry left, the frame Dynamo compiled is the block itself (its own frame after
+    # a graph break), so a router's parent is that frame's root, ""
+    while stack and stack[-1][1] is not None and match_mod.looks_like_router(stack[-1][1]):
+        if len(stack) == 1 and not any(word in stack[-1][1].__name__.lower() for word in ("router", "gate")):
+            break
+        stack = stack[:-1]
+        path = parent_path(path) or ""
     return path
 
 

@@ -92,3 +92,14 @@ def test_reason_names_the_activations_after_transformers_grouped_mm():
     assert diff <= TOL[torch.float32]
     assert not report.rewritten and report.skipped, str(report)
     assert all("activations tanh, sigmoid" in reason for _, reason in report.skipped), str(report)
+
+
+@pytest.mark.parametrize("name,block", [("dbrx", "transformer.blocks.0.ffn"), ("step3p7", "layers.0.mlp")])
+def test_a_block_compiled_in_its_own_frame_is_named_by_its_path(name, block):
+    """After a graph break Dynamo compiles the block's own frame, where the only module on the top-k's
+    stack is the router: the row was named after the router (``...ffn.router``, ``...mlp.gate``)."""
+    _require(name, "native")
+    model, kwargs = zoo.build_model(name)
+    report, _ = explain_and_compare(model, kwargs)
+    paths = [path for path, _ in report.skipped]
+    assert block in paths and not any(p.endswith((".gate", ".router")) for p in paths), str(report)
