@@ -4,8 +4,9 @@ Dynamo's graph is traced to an aten-level inference graph by AOTAutograd; the Mo
 it there (functionalised, every spelling of an op normalised), then the inner compiler runs:
 
 - ``inductor``: the pass runs as Inductor's ``post_grad_custom_pre_pass`` (a CustomGraphPass
-  whose ``uuid`` hashes the package source, the options and the exclusions, so Inductor's compile
-  caches serve rewritten graphs too: ``compile_cache.py``), so Inductor compiles the rewritten graph;
+  whose ``uuid`` hashes the package source, the options, the exclusions and Dynamo's graph, so
+  Inductor's compile caches serve rewritten graphs too: ``compile_cache.py``), so Inductor compiles
+  the rewritten graph;
 - ``aot_eager`` / ``eager``: the rewritten aten graph runs as is;
 - ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
 
