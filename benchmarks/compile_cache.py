@@ -77,7 +77,8 @@ def measure(args, model: str, mode: str, cache: str, seed: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3", "mixtral", "deepseek_v3"])
+    parser.add_argument("--models", nargs="+", default=["qwen3", "mixtral", "deepseek_v3"],
+                        choices=["qwen3", "mixtral", "deepseek_v3"])
     parser.add_argument("--modes", nargs="+", default=["inductor", "moe_npu"], choices=["inductor", "moe_npu"])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--size", default="decode")
@@ -92,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.warm < 1:
+        parser.error("--warm must be at least 1, but got %d" % args.warm)
     if args.child:
         child(args)
         return 0

@@ -123,10 +123,10 @@ def _make_pass(gm, example_inputs, config):
     return MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config))
 
 
-def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: BackendConfig, decisions=None):
+def _compile_with_pass(gm, example_inputs, inner: InnerCompiler, config: BackendConfig, decisions: list):
     moe_pass = _make_pass(gm, example_inputs, config)
     if inner is InnerCompiler.INDUCTOR:
-        return _compile_inductor(gm, example_inputs, config, moe_pass, decisions if decisions is not None else [])
+        return _compile_inductor(gm, example_inputs, config, moe_pass, decisions)
     if inner is InnerCompiler.TORCHAIR:
         from moe_compile.lowering.torchair import compile_with_torchair
 

@@ -179,7 +179,9 @@ def register(recipes: tuple, parts) -> tuple[str, list, list]:
     2: biases)."""
     recipes = tuple(recipes)
     key = _key_of(recipes)
-    entry = _ENTRIES.get(key) or _ENTRIES.setdefault(key, _Entry(recipes, _signature(recipes, key)))
+    if key not in _ENTRIES:  # recompiles of a block share its entry (and so its copy)
+        _ENTRIES[key] = _Entry(recipes, _signature(recipes, key))
+    entry = _ENTRIES[key]
     copy = _copy_for(entry, parts)
     _keep_fresh(entry, copy, parts)
     probe = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in parts]

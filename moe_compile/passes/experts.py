@@ -68,7 +68,6 @@ def matmul_cast(region: set[fx.Node], weight_dtype: torch.dtype) -> torch.dtype 
     ``None``. The op then computes in that dtype, as the block does."""
     dtypes = set()
     for node in region:
-        # transformers' own grouped-GEMM op (``transformers.grouped_mm_fallback``) runs on CPU autocast
         if is_expert_matmul(node):
             v = val(node)
             if isinstance(v, torch.Tensor):

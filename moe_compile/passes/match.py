@@ -17,7 +17,7 @@ from moe_compile.passes import experts as ex
 from moe_compile.passes import probes
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
-    CAST_OPS, VIEW_OPS, Concretizer, aten, SliceEvaluator, backward_slice, forward_slice, in_scope,
+    CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, aten, backward_slice, forward_slice, in_scope,
     module_path, module_stack, parent_path, val,
 )
 
@@ -139,7 +139,6 @@ def probe_logits(shape, dtype, gen: torch.Generator, device, spread: float | Non
     return torch.stack(rows).to(device=device, dtype=dtype)
 
 
-
 @dataclass
 class Probe:
     overrides: dict
@@ -229,8 +228,7 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
             # anything), where "added to the scores" and "added to the logits" choose alike and its
             # updates would then follow the wrong formula. Probe with a bias that reorders.
             trial_bias = _probe_bias(bias, other.logits, trial)
-            bias_val = val(anchor.bias)
-            other.overrides[anchor.bias] = trial_bias.reshape(bias_val.shape).to(bias_val.device, bias_val.dtype)
+            _set_bias(other, anchor, trial_bias)
         ids_other = _eval(ctx, other, [anchor.ids])
         if ids_other is not None:
             extra.append((other.logits, ids_other[0], trial_bias))
@@ -267,10 +265,15 @@ def _negative_score_trial(ctx: GraphContext, anchor: rt.RouterAnchor, bias) -> l
     if isinstance(probe, str):
         return []
     trial_bias = torch.full_like(bias, -0.5)
-    bias_val = val(anchor.bias)
-    probe.overrides[anchor.bias] = trial_bias.reshape(bias_val.shape).to(bias_val.device, bias_val.dtype)
+    _set_bias(probe, anchor, trial_bias)
     ids = _eval(ctx, probe, [anchor.ids])
     return [] if ids is None else [(logits, ids[0], trial_bias)]
+
+
+def _set_bias(probe: Probe, anchor: rt.RouterAnchor, bias: torch.Tensor) -> None:
+    """Evaluate the router slice with ``bias`` (flat) in place of the block's selection bias."""
+    bias_val = val(anchor.bias)
+    probe.overrides[anchor.bias] = bias.reshape(bias_val.shape).to(bias_val.device, bias_val.dtype)
 
 
 def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.Tensor:

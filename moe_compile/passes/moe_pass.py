@@ -6,10 +6,7 @@ checks the exclusions, and rewrites the block into one ``moe_compile::fused_moe`
 """
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import pathlib
 
 import torch
 import torch.fx as fx
@@ -33,16 +30,9 @@ except ImportError:  # pragma: no cover - older torch
     _Base = object
 
 
-@functools.lru_cache(maxsize=1)
-def source_hash() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(pathlib.Path(__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 class MoEFusionPass(_Base):
-    """``__call__(graph)`` rewrites in place; ``uuid()`` changes whenever the pass's source does."""
+    """``__call__(graph)`` rewrites in place; ``uuid()`` changes whenever the package's source does
+    (the backend's Inductor hook adds the options and the graph: ``compile_cache.pass_uuid``)."""
 
     def __init__(self, config: BackendConfig, real_inputs: list, input_names: list[str],
                  op_kwargs: dict):
@@ -53,7 +43,9 @@ class MoEFusionPass(_Base):
         self.rewritten = 0
 
     def uuid(self):
-        return source_hash()
+        from moe_compile.compile_cache import package_hash
+
+        return package_hash()
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
@@ -176,4 +168,4 @@ def _fetch(module, target: str):
     return obj
 
 
-__all__ = ["MoEFusionPass", "source_hash", "torch"]
+__all__ = ["MoEFusionPass", "torch"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts
@@ -109,7 +110,7 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
         return "top-k's k is symbolic"
     try:
         num_experts = int(sval.shape[-1])
-    except Exception:  # a data-dependent width (an attention indexer's kept keys): no guard can fix it
+    except GuardOnDataDependentSymNode:  # a data-dependent width (an attention indexer's kept keys)
         return "top-k over a data-dependent number of scores (%s), not a fixed number of experts" % (
             sval.shape[-1],)
     ids = next((u for u in topk.users if is_getitem(u, 1)), None)
