@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-# recipe: ("leaf", i) | ("stack", (i, ...)) | ("cat", (recipe, ...)) | ("shard", ((w13, w2, b13, b2
-# recipes), shard_for_groups kwargs, field)), each with a transpose flag: (kind, payload, transpose).
+# recipe: ("leaf", i) | ("stack", (i, ...)) | ("cat", (recipe, ...)) | ("scale", (recipe, i)) | ("shard",
+# ((w13, w2, b13, b2 recipes), shard_for_groups kwargs, field)), each with a transpose flag: (kind, payload,
+# transpose).
 # The copy is held with its last two dims swapped (see rewrite.py).
 Recipe = tuple
 
@@ -141,6 +142,10 @@ def _build(recipe: Recipe, parts) -> torch.Tensor:
         recipes, kwargs, name = payload
         full = [None if r is None else _build(r, parts) for r in recipes]
         return getattr(shard_for_groups(*full, **kwargs), name)
+    if kind == "scale":  # expert e's slice times parts[i][e] (a per-expert output scale), rounded once
+        inner, i = payload
+        t = _build(inner, parts)
+        return (t.float() * parts[i].reshape((-1,) + (1,) * (t.dim() - 1)).float()).to(t.dtype)
     if kind == "cat":
         t = torch.cat([_build(r, parts) for r in payload], dim=-1)
     elif kind == "stack":

@@ -29,11 +29,15 @@ _NAME_NUMBER = re.compile(r"(?<=[._])\d+(?=[._]|$)")
 class WeightSource:
     """How one op-layout weight is made from graph inputs."""
 
-    kind: str  # "node" | "stack" | "cat"
-    nodes: tuple  # graph nodes ("node"/"stack") or WeightSources ("cat")
+    kind: str  # "node" | "stack" | "cat" | "scale"
+    nodes: tuple  # graph nodes ("node"/"stack"), WeightSources ("cat"), (WeightSource, [E] node) ("scale")
     transpose: bool = False  # swap the last two dims (a view for "node")
 
     def real(self, values: dict) -> torch.Tensor:
+        if self.kind == "scale":  # expert e's slice times scale[e] (experts_input.py), rounded once
+            inner = self.nodes[0].real(values)
+            scale = values[self.nodes[1]].reshape((-1,) + (1,) * (inner.dim() - 1))
+            return (inner.float() * scale.float()).to(inner.dtype)
         if self.kind == "cat":
             return torch.cat([part.real(values) for part in self.nodes], dim=-1)
         if self.kind == "stack":
@@ -59,6 +63,8 @@ class ExpertsChoice:
 
     def describe(self) -> str:
         act = self.config.activation.value + (" interleaved" if self.config.gate_up_interleaved else "")
+        if self.w2.kind == "scale":
+            act += " (per-expert scale folded into down_proj)"
         return act + (" (weights cast to %s)" % str(self.cast).replace("torch.", "") if self.cast else "")
 
 

@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from moe_compile.ops.config import ExpertsConfig, RoutingConfig, RoutingMethod
 from moe_compile.passes import experts as ex
+from moe_compile.passes import experts_input as xin
 from moe_compile.passes import probes
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
@@ -50,6 +51,7 @@ class BlockMatch:
     # the graph input the routing scale is read from (a Python number Dynamo passes in), and whether
     # it divides: the op then runs with scale 1 and its output is scaled per call (scale_source)
     scale_input: tuple | None = None
+    probed: rt.RouterAnchor | None = None  # the anchor the probes ran with (2-D input; experts_x): verify's
 
     def router_kind(self) -> str:
         return describe_routing(self.routing)
@@ -150,7 +152,8 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int, logits: t
                x_scale: float = 1.0) -> Probe | str:
     """Random unit-size hidden states (times ``x_scale``) and router logits (``logits`` when given) for
     the block's input and logits nodes, seeded by ``trial``."""
-    x_shape, l_shape = ctx.conc.shape(anchor.x), ctx.conc.shape(anchor.logits)
+    x_node = anchor.experts_x or anchor.x
+    x_shape, l_shape = ctx.conc.shape(x_node), ctx.conc.shape(anchor.logits)
     if x_shape is None or l_shape is None:
         return "the block's token count is not known from the example inputs"
     if len(x_shape) != 2 or len(l_shape) != 2:
@@ -158,14 +161,14 @@ def make_probe(ctx: GraphContext, anchor: rt.RouterAnchor, trial: int, logits: t
             list(x_shape), list(l_shape))
     xv, lv = val(anchor.x), val(anchor.logits)
     gen = torch.Generator().manual_seed(ctx.seed * 1000 + trial)
-    x2d = (torch.randn(x_shape, generator=gen) * x_scale).to(device=xv.device, dtype=activation_dtype(anchor.x))
+    x2d = (torch.randn(x_shape, generator=gen) * x_scale).to(device=xv.device, dtype=activation_dtype(x_node))
     if logits is None:
         # every other routing trial uses the router's own logit scale, where a selection bias or the
         # order of bias and score function changes the choice (a wide grid would hide it)
         spread = _logit_spread(ctx, anchor) if 100 <= trial < 200 and trial % 2 else None
         logits = probe_logits(l_shape, lv.dtype, gen, lv.device, spread)
     overrides = {anchor.logits: logits}
-    for node in _family(anchor.x):
+    for node in _family(anchor.x) | (_family(anchor.experts_x) if anchor.experts_x is not None else set()):
         shape = ctx.conc.shape(node)
         v = val(node)
         if shape is None or not isinstance(v, torch.Tensor) or math.prod(shape) != x2d.numel():
@@ -361,23 +364,28 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
     mats, biases = ex.expert_inputs(slice_nodes, ctx.values, anchor.num_experts, ctx.names, exclude)
     hidden = probe.x2d.shape[-1]
     region = ex.region_of(slice_nodes)
-    for w13s, w2s in ex.weight_layouts(mats, ctx.values, hidden):
-        cast = ex.matmul_cast(region - stop, w13s.real(ctx.values).dtype)  # not the router's matmul
-        w13, w2 = _cast(w13s.real(ctx.values), cast), _cast(w2s.real(ctx.values), cast)
-        dtype = compare_dtype(target.dtype, w13.dtype)
-        gated = w13.shape[-1] == 2 * w2.shape[-2]
-        for b13s, b2s in ex.bias_layouts(biases, ctx.values, w13.shape[-1], hidden):
-            b13 = None if b13s is None else _cast(b13s.real(ctx.values), cast)
-            b2 = None if b2s is None else _cast(b2s.real(ctx.values), cast)
-            for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
-                key = (id(probe), routing, w13s, w2s, b13s, b2s, cfg)
-                try:
-                    fused = _cached_fused(ctx, key, lambda: fused_reference(
-                        probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg))
-                except (ValueError, TypeError, RuntimeError):
-                    continue
-                if close(fused, target, dtype):
-                    return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region), cast)
+    # a per-expert output scale (Gemma-4's per_expert_scale[id] on the weights) is tried only after
+    # every reading without one
+    for scale in [None] + xin.expert_scales(slice_nodes, ctx.values, anchor.num_experts, exclude):
+        for w13s, w2s in ex.weight_layouts(mats, ctx.values, hidden):
+            w2s = xin.scaled(w2s, scale)
+            cast = ex.matmul_cast(region - stop, w13s.real(ctx.values).dtype)  # not the router's matmul
+            w13, w2 = _cast(w13s.real(ctx.values), cast), _cast(w2s.real(ctx.values), cast)
+            dtype = compare_dtype(target.dtype, w13.dtype)
+            gated = w13.shape[-1] == 2 * w2.shape[-2]
+            for b13s, b2s in ex.bias_layouts(biases, ctx.values, w13.shape[-1], hidden):
+                b2s = xin.scaled(b2s, scale)
+                b13 = None if b13s is None else _cast(b13s.real(ctx.values), cast)
+                b2 = None if b2s is None else _cast(b2s.real(ctx.values), cast)
+                for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
+                    key = (id(probe), routing, w13s, w2s, b13s, b2s, cfg)
+                    try:
+                        fused = _cached_fused(ctx, key, lambda: fused_reference(
+                            probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg))
+                    except (ValueError, TypeError, RuntimeError):
+                        continue
+                    if close(fused, target, dtype):
+                        return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region), cast)
     return None
 
 
@@ -425,32 +433,46 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
     if anchor.bias is not None:
         bias_value = ctx.evaluator.run(backward_slice([anchor.bias], set()), {}, [anchor.bias])[0].reshape(-1)
     tried: dict[fx.Node, None] = {}
-    stressed = None
+    reason = None
     for scope in scope_list:
         for output in output_candidates(ctx, anchor, scope):
             if output in tried:
                 continue
             tried[output] = None
+            block, block_probe = _experts_anchor(ctx, anchor, probe, output)
             for routing in routings:
-                choice = identify_experts(ctx, anchor, routing, probe, output, bias_value)
+                choice = identify_experts(ctx, block, routing, block_probe, output, bias_value)
                 if choice is None:
                     continue
                 weights = _real_weights(ctx, choice)  # a stacked copy of every expert: made once here
-                if not confirm(ctx, anchor, routing, output, choice, bias_value, trials=(1,), weights=weights):
+                if not confirm(ctx, block, routing, output, choice, bias_value, trials=(1,), weights=weights):
                     continue
-                stressed = probes.stress(ctx, anchor, routing, output, choice, bias_value, weights)
-                if stressed is not None:
+                reason = probes.stress(ctx, block, routing, output, choice, bias_value, weights)
+                if reason is not None:
                     continue
-                fused_anchor = _with_output_dims(ctx, anchor, output)
-                if isinstance(fused_anchor, str):
-                    return fused_anchor
-                old = backward_slice([output], set(probe.overrides))
-                scale = scale_source(ctx, anchor, scope, routing.routed_scaling_factor)
+                fused_anchor = _with_output_dims(ctx, block, output)
+                if isinstance(fused_anchor, str):  # an earlier candidate may hold the same values flat
+                    reason = fused_anchor
+                    break
+                old = backward_slice([output], set(block_probe.overrides))
+                scale = scale_source(ctx, block, scope, routing.routed_scaling_factor)
                 if scale is not None and choice.config.apply_router_weight_on_input:
                     return ("the routing scale is a Python number passed in per call (dynamic=True) and the "
                             "weights multiply the experts' input: the op cannot take that scale per call")
-                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value, scale)
-    return stressed or no_output_reason(ctx, anchor, probe, list(tried))
+                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value, scale, block)
+    return reason or no_output_reason(ctx, anchor, probe, list(tried))
+
+
+def _experts_anchor(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, output: fx.Node):
+    """(anchor, trial-0 probe) for ``output``: with ``experts_x`` set, and a probe that sets it too, when
+    the experts read another tensor than the router (``experts_input.py``)."""
+    stop = set(probe.overrides)
+    node = xin.experts_input(ctx, anchor, output, backward_slice([output], stop), stop)
+    if node is None:
+        return anchor, probe
+    block = replace(anchor, experts_x=node)
+    block_probe = make_probe(ctx, block, trial=0)
+    return (anchor, probe) if isinstance(block_probe, str) else (block, block_probe)
 
 
 def scale_source(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str, factor: float) -> tuple | None:
@@ -536,12 +558,13 @@ def _with_output_dims(ctx: GraphContext, anchor: rt.RouterAnchor, output: fx.Nod
     fused op returns its input's shape): ``[B, S, H]`` / ``[B, S, E]`` views of the ``[T, H]`` input
     and ``[T, E]`` logits when the block never flattens its tokens; the anchor itself otherwise."""
     out_shape = ctx.conc.shape(output)
-    if out_shape == ctx.conc.shape(anchor.x):
+    x_node = anchor.experts_x or anchor.x
+    if out_shape == ctx.conc.shape(x_node):
         return anchor
     order = {n: i for i, n in enumerate(ctx.graph.nodes)}
-    before = [n for n in _family(anchor.x) if order.get(n, len(order)) < order[output]]
+    before = [n for n in _family(x_node) if order.get(n, len(order)) < order[output]]
     xs = [n for n in before if ctx.conc.shape(n) == out_shape]
-    xs.sort(key=lambda n: (val(n).dtype != val(anchor.x).dtype, order[n]))
+    xs.sort(key=lambda n: (val(n).dtype != val(x_node).dtype, order[n]))
     logits_shape = out_shape[:-1] + (anchor.num_experts,)
     views, seen, todo = [], set(), [anchor.logits]
     while todo:
@@ -556,7 +579,8 @@ def _with_output_dims(ctx: GraphContext, anchor: rt.RouterAnchor, output: fx.Nod
         return ("the routed output is %s (top-k over %d-D scores) but the graph holds no %s view of the block input "
                 "and %s view of the router logits to hand the fused op" % (
                     list(out_shape), len(out_shape), list(out_shape), list(logits_shape)))
-    return replace(anchor, x=xs[0], logits=min(views, key=order.__getitem__))
+    field = "experts_x" if anchor.experts_x is not None else "x"
+    return replace(anchor, **{field: xs[0]}, logits=min(views, key=order.__getitem__))
 
 
 def confirm(ctx, anchor, routing, output, choice: ex.ExpertsChoice, bias_value, trials, weights=None) -> bool:

@@ -92,7 +92,7 @@ class MoEFusionPass(_Base):
             match = "the matcher raised %s: %s" % (type(exc).__name__, exc)
         if not isinstance(match, str) and self.config.verify:
             with unset_fake_temporarily():
-                ok = match_mod.confirm(ctx, anchor, match.routing, match.output, match.experts,
+                ok = match_mod.confirm(ctx, match.probed or anchor, match.routing, match.output, match.experts,
                                        match.bias_value, trials=(2, 3, 4))
             if not ok:
                 match = "verify: the rewrite disagreed with the original subgraph on fresh random inputs"

@@ -77,6 +77,10 @@ def _leaves(source: WeightSource, out: list) -> list:
     if source.kind == "cat":
         for part in source.nodes:
             _leaves(part, out)
+    elif source.kind == "scale":
+        _leaves(source.nodes[0], out)
+        if source.nodes[1] not in out:
+            out.append(source.nodes[1])
     else:
         out.extend(n for n in source.nodes if n not in out)
     return out
@@ -85,6 +89,8 @@ def _leaves(source: WeightSource, out: list) -> list:
 def _recipe(source: WeightSource, index: dict) -> tuple:
     if source.kind == "cat":
         return ("cat", tuple(_recipe(part, index) for part in source.nodes), source.transpose)
+    if source.kind == "scale":
+        return ("scale", (_recipe(source.nodes[0], index), index[source.nodes[1]]), False)
     if source.kind == "stack":
         return ("stack", tuple(index[n] for n in source.nodes), source.transpose)
     return ("leaf", index[source.nodes[0]], source.transpose)
@@ -279,12 +285,13 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
             gate_up_interleaved=experts.gate_up_interleaved,
             apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
         )
-        x = anchor.x
+        x = anchor.experts_x or anchor.x  # experts_x: the experts read their own input (Gemma-4)
         act_dtype = val(w13).dtype  # the experts compute in their weights' dtype
-        x_low = upcast_source(x)
+        x_low = upcast_source(anchor.x)
         if val(x).dtype != act_dtype:  # e.g. the router saw an upcast copy (DeepSeek-V3's x.float())
-            if x_low is not None and val(x_low).dtype == act_dtype:
-                x = x_low  # the block input itself, not a round trip through fp32
+            low = upcast_source(x)
+            if low is not None and val(low).dtype == act_dtype:
+                x = low  # the block input itself, not a round trip through fp32
             else:
                 x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
         logits = anchor.logits
@@ -299,7 +306,7 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
         if val(out).dtype != act_dtype:
             result = _call(graph, torch.ops.prims.convert_element_type.default, (result, val(out).dtype), out)
     out.replace_all_uses_with(result)
-    _drop_old(graph, match, {anchor.x, anchor.logits, logits})
+    _drop_old(graph, match, {anchor.x, anchor.logits, logits} | ({anchor.experts_x} - {None}))
     return fused
 
 

@@ -42,6 +42,7 @@ class RouterAnchor:
     top_k: int
     chain: set[fx.Node] = field(default_factory=set)
     bias: fx.Node | None = None  # selection bias ([E] tensor added to the scores)
+    experts_x: fx.Node | None = None  # what the experts read when not a view of ``x`` (experts_input.py)
 
 
 @dataclass(frozen=True)

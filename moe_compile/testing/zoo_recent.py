@@ -27,11 +27,9 @@ _GEMMA4_ROUTER = ("router on the block's residual (not the experts' input): unsc
                   "x H^-0.5 -> linear -> softmax(fp32) -> topk -> /= sum -> x per_expert_scale[idx]; "
                   "experts see pre_feedforward_layernorm_2(residual)")
 
-_GEMMA4_SKIP = ("the router reads the layer's residual (its own unscaled RMSNorm x scale x H^-0.5) while the experts "
-                "read pre_feedforward_layernorm_2(residual), and the routing weights are multiplied by "
-                "per_expert_scale[idx]: the op takes one input for router and experts and stored weights "
-                "(expressible only with the experts' own input and per_expert_scale folded into down_proj)")
-_GEMMA4_NOTES = ("no MoE block module: the decoder layer calls router and experts inline and sums the experts' "
+_GEMMA4_NOTES = ("the experts read their own input and per_expert_scale is folded into down_proj "
+                 "(passes/experts_input.py); "
+                 "no MoE block module: the decoder layer calls router and experts inline and sums the experts' "
                  "post-normed output with a dense MLP branch; the zoo's redraw gives router.scale and "
                  "per_expert_scale (init ones) N(0, 0.1^2), so router logits are flat (std ~0.01)")
 _R3_INKLING2 = ("fp32 linear -> score_fn = ACT2FN[config.scoring_func] (sigmoid) -> topk(scores + "
@@ -222,8 +220,7 @@ RECENT_FAMILIES = (
                            global_head_dim=16),
         block_classes=("Gemma4TextDecoderLayer",), num_moe_layers=2, experts_impls=DECORATED,
         router_kind=RouterKind.R7, router=_GEMMA4_ROUTER, activation="gelu_tanh",
-        shared_experts=SharedExperts.NONE, expressible=False, skip_reason=_GEMMA4_SKIP,
-        capture=_GM, per_layer_keys=("layer_types",), notes=_GEMMA4_NOTES,
+        shared_experts=SharedExperts.NONE, capture=_GM, per_layer_keys=("layer_types",), notes=_GEMMA4_NOTES,
     ),
     FamilySpec(
         name="diffusion_gemma", model_type="diffusion_gemma_text", config_class="DiffusionGemmaTextConfig",
@@ -233,7 +230,7 @@ RECENT_FAMILIES = (
                            global_head_dim=16),
         block_classes=("DiffusionGemmaEncoderTextLayer",), num_moe_layers=2, experts_impls=DECORATED,
         router_kind=RouterKind.R7, router=_GEMMA4_ROUTER, activation="gelu_tanh",
-        expressible=False, skip_reason=_GEMMA4_SKIP, capture=_GM, per_layer_keys=("layer_types",),
+        capture=_GM, per_layer_keys=("layer_types",),
         notes="Gemma-4's MoE layer (same router/experts code); every layer is MoE; text encoder model, "
               "no LM head (last_hidden_state). " + _GEMMA4_NOTES,
     ),
