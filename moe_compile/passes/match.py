@@ -17,8 +17,9 @@ from moe_compile.passes import experts as ex
 from moe_compile.passes import experts_input as xin
 from moe_compile.passes import probes
 from moe_compile.passes import router as rt
+from moe_compile.passes.scales import scalar_input, scale_source
 from moe_compile.passes.graph import (
-    CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, aten, backward_slice, forward_slice, in_scope,
+    CAST_OPS, VIEW_OPS, Concretizer, SliceEvaluator, backward_slice, forward_slice, in_scope,
     module_path, module_stack, parent_path, val,
 )
 
@@ -288,31 +289,6 @@ def _probe_bias(bias: torch.Tensor, logits: torch.Tensor, trial: int) -> torch.T
     return ((torch.randn(bias.shape, generator=gen) * scale / step).round() * step).to(bias.device, bias.dtype)
 
 
-def scalar_input(ctx: GraphContext, node: fx.Node) -> float | None:
-    """The value of a one-element tensor computed only from Python numbers that Dynamo made graph
-    inputs (a routing scale under ``dynamic=True``; AOTAutograd passes them as float64 0-d tensors),
-    else ``None``. A routing scale read so is read by the rewritten graph per call (``scale_source``):
-    Dynamo does not recompile when the number changes. Parameters and buffers are refused."""
-    fake = val(node)
-    if not isinstance(fake, torch.Tensor) or fake.numel() != 1:
-        return None
-    needed = backward_slice([node], set())
-    for leaf in needed:
-        if leaf.op == "get_attr" or (leaf.op == "placeholder" and rt.is_weight_root(leaf, ctx.names)):
-            return None  # a 0-d parameter or buffer can change after compiling; a baked-in copy would not
-        if leaf.op == "placeholder":
-            real = ctx.values.get(leaf)
-            # a Python number, or the float64 0-d tensor AOTAutograd makes of one (not a Parameter)
-            tensorified = (type(real) is torch.Tensor and real.dim() == 0 and real.dtype == torch.float64)
-            if not (isinstance(real, (int, float)) or tensorified):
-                return None
-    try:
-        out = ctx.evaluator.run(needed, {}, [node])[0]
-    except Exception:  # noqa: BLE001 - an unevaluable slice is simply not a scale
-        return None
-    return float(out.reshape(-1)[0]) if isinstance(out, torch.Tensor) else None
-
-
 # -- experts ----------------------------------------------------------------------------------
 def output_candidates(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str) -> list[fx.Node]:
     """Nodes after the expert choice shaped like the block input ``[T, H]``, or, when the top-k is
@@ -353,12 +329,13 @@ def _cached_fused(ctx: GraphContext, key: tuple, compute):
 
 
 def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: fx.Node, bias_value):
-    """The experts reading under which the fused op reproduces ``output`` on the probe."""
+    """Each experts reading under which the fused op reproduces ``output`` on the probe, in order (the
+    caller stress-tests each: a per-expert scale of ones matches without being read, say)."""
     stop = set(probe.overrides)
     slice_nodes = backward_slice([output], stop)
     got = _eval(ctx, probe, [output])
     if got is None:
-        return None
+        return
     target = got[0]
     exclude = {n for n in (anchor.router_weight, anchor.bias) if n is not None}
     mats, biases = ex.expert_inputs(slice_nodes, ctx.values, anchor.num_experts, ctx.names, exclude)
@@ -385,8 +362,7 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
                     except (ValueError, TypeError, RuntimeError):
                         continue
                     if close(fused, target, dtype):
-                        return ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region), cast)
-    return None
+                        yield ex.ExpertsChoice(w13s, w2s, b13s, b2s, cfg, ex.experts_form(region), cast)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -439,28 +415,39 @@ def match_block(ctx: GraphContext, anchor: rt.RouterAnchor) -> BlockMatch | str:
             if output in tried:
                 continue
             tried[output] = None
-            block, block_probe = _experts_anchor(ctx, anchor, probe, output)
-            for routing in routings:
-                choice = identify_experts(ctx, block, routing, block_probe, output, bias_value)
-                if choice is None:
-                    continue
-                weights = _real_weights(ctx, choice)  # a stacked copy of every expert: made once here
-                if not confirm(ctx, block, routing, output, choice, bias_value, trials=(1,), weights=weights):
-                    continue
-                reason = probes.stress(ctx, block, routing, output, choice, bias_value, weights)
-                if reason is not None:
-                    continue
-                fused_anchor = _with_output_dims(ctx, block, output)
-                if isinstance(fused_anchor, str):  # an earlier candidate may hold the same values flat
-                    reason = fused_anchor
-                    break
-                old = backward_slice([output], set(block_probe.overrides))
-                scale = scale_source(ctx, block, scope, routing.routed_scaling_factor)
-                if scale is not None and choice.config.apply_router_weight_on_input:
-                    return ("the routing scale is a Python number passed in per call (dynamic=True) and the "
-                            "weights multiply the experts' input: the op cannot take that scale per call")
-                return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value, scale, block)
+            found = _match_output(ctx, anchor, probe, routings, output, scope, bias_value)
+            if isinstance(found, BlockMatch) or (found and found.startswith(_PER_CALL_SCALE)):
+                return found
+            reason = found or reason
     return reason or no_output_reason(ctx, anchor, probe, list(tried))
+
+
+_PER_CALL_SCALE = "the routing scale is a Python number passed in per call"
+
+
+def _match_output(ctx, anchor, probe, routings, output, scope, bias_value) -> BlockMatch | str | None:
+    """The match whose routed output is ``output``, or why the last reading that reproduced it was
+    refused (``None``: none did)."""
+    reason = None
+    block, block_probe = _experts_anchor(ctx, anchor, probe, output)
+    for routing in routings:
+        for choice in identify_experts(ctx, block, routing, block_probe, output, bias_value):
+            weights = _real_weights(ctx, choice)  # a stacked copy of every expert: made once here
+            if not confirm(ctx, block, routing, output, choice, bias_value, trials=(1,), weights=weights):
+                continue
+            reason = probes.stress(ctx, block, routing, output, choice, bias_value, weights)
+            if reason is not None:
+                continue
+            fused_anchor = _with_output_dims(ctx, block, output)
+            if isinstance(fused_anchor, str):  # an earlier candidate may hold the same values flat
+                return fused_anchor
+            old = backward_slice([output], set(block_probe.overrides))
+            scale = scale_source(ctx, block, scope, routing.routed_scaling_factor)
+            if scale is not None and choice.config.apply_router_weight_on_input:
+                return (_PER_CALL_SCALE + " (dynamic=True) and the weights multiply the experts' input: the op "
+                        "cannot take that scale per call")
+            return BlockMatch(fused_anchor, routing, output, choice, scope, old, bias_value, scale, block)
+    return reason
 
 
 def _experts_anchor(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, output: fx.Node):
@@ -473,27 +460,6 @@ def _experts_anchor(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, ou
     block = replace(anchor, experts_x=node)
     block_probe = make_probe(ctx, block, trial=0)
     return (anchor, probe) if isinstance(block_probe, str) else (block, block_probe)
-
-
-def scale_source(ctx: GraphContext, anchor: rt.RouterAnchor, scope: str, factor: float) -> tuple | None:
-    """(node, divides) when the routing scale ``factor`` is read from a one-element graph input (under
-    ``dynamic=True`` Dynamo passes Python floats such as ``routed_scaling_factor`` in and does not
-    recompile when they change: a baked-in constant would go stale, e.g. for a second model of the
-    same class), else ``None`` (a literal, guarded by Dynamo)."""
-    if factor == 1.0:
-        return None
-    for node in sorted(forward_slice(anchor.topk) | set(anchor.chain), key=lambda n: n.name):
-        divides = node.target in (aten.div.Tensor, aten.div.Scalar)
-        if not (divides or node.target in (aten.mul.Tensor, aten.mul.Scalar)) or not in_scope(node, scope):
-            continue
-        for arg in node.args[1:] if divides else node.args:
-            fake = val(arg) if isinstance(arg, fx.Node) else None
-            if not isinstance(fake, torch.Tensor) or fake.dim() != 0:
-                continue
-            value = scalar_input(ctx, arg)
-            if value and (1.0 / value if divides else value) == factor:
-                return arg, divides
-    return None
 
 
 def _real_weights(ctx: GraphContext, choice: ex.ExpertsChoice) -> tuple:

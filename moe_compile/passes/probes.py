@@ -91,7 +91,7 @@ def other_inputs(ctx, anchor, choice: ex.ExpertsChoice, nodes: set[fx.Node], pro
     """Floating-point graph inputs in the block's slice that the fused op does not read (``probed``: the
     block input and logits, which the probes set). Python
     numbers Dynamo made float64 0-d inputs are left out: a routing scale among them is read per call
-    by the rewritten graph (``match.scale_source``)."""
+    by the rewritten graph (``scales.scale_source``)."""
     consumed = _consumed_leaves(ctx, anchor, choice)
     out = []
     for node in nodes:

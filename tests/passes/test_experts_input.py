@@ -117,3 +117,20 @@ def test_bf16_experts_input_and_inductor():
         diff = max_rel_diff(fast(x), block(x))
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
     assert diff <= TOL[torch.bfloat16], diff
+
+
+def test_a_scale_of_ones_is_folded_and_followed():
+    """Gemma-4 initialises ``per_expert_scale`` to ones: the reading without the scale reproduces the
+    block too, and is refused by the stress probe (the op would not follow the scale); the folded
+    reading is taken and follows a later write."""
+    block = TwoNormBlock().eval()
+    with torch.no_grad():
+        block.per_expert_scale.fill_(1.0)
+    x = _x(tokens=5)
+    report, diff = explain_and_compare(block, {"x": x})
+    assert len(report.rewritten) == 1 and "per-expert scale folded" in str(report), str(report)
+    fast = torch.compile(block, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+    with torch.no_grad():
+        assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
+        block.per_expert_scale.copy_(torch.linspace(0.2, 3.0, E))
+        assert max_rel_diff(fast(x), block(x)) <= TOL[torch.float32]
