@@ -85,7 +85,7 @@ def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs
     with collecting() as report, torch.no_grad():
         report.output = compiled(*args, **kwargs)
     _resolve_paths(model, report)
-    seen = {b.path for b in report.blocks}
+    seen = {b.path for b in report.blocks if not b.not_moe}
     for path in moe_like_modules(model):
         # the model itself as the block: any decision (its own, its router's, its frame's) covers it
         covered = bool(seen) if not path else any(

@@ -35,6 +35,7 @@ class BlockDecision:
     # id() of the router's weight tensor, so explain() can name the block by its path in the model
     # when Dynamo compiled a nested frame (paths are relative to the frame's module)
     router_weight_id: int | None = field(default=None, compare=False, repr=False)
+    not_moe: bool = False  # a top-k that is no MoE router (an attention indexer's): listed apart
 
     @property
     def decision(self) -> str:
@@ -55,7 +56,13 @@ class Report:
 
     @property
     def skipped(self) -> list[tuple[str, str]]:
-        return [(b.path, b.reason) for b in self.blocks if not b.rewritten]
+        """The MoE blocks left as they were, with the reasons (``other_topk`` holds the rest)."""
+        return [(b.path, b.reason) for b in self.blocks if not b.rewritten and not b.not_moe]
+
+    @property
+    def other_topk(self) -> list[tuple[str, str]]:
+        """Top-k ops that are no MoE router (attention indexers, values-only top-k), with why."""
+        return [(b.path, b.reason) for b in self.blocks if b.not_moe]
 
     def add(self, decision: BlockDecision, *, supersede: bool = False) -> None:
         # one line per block: a later rewrite (e.g. a recompile) supersedes a skip
@@ -87,7 +94,7 @@ class Report:
         rows = [header] + [
             (b.path or "<root>", b.router, b.experts, "-" if b.num_experts is None else str(b.num_experts),
              "-" if b.top_k is None else str(b.top_k), b.activation, b.decision)
-            for b in self.blocks
+            for b in self.blocks if not b.not_moe
         ]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         lines = []
@@ -97,7 +104,9 @@ class Report:
             if j == 0:
                 lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 8)
         summary = "%d MoE block(s) rewritten, %d skipped" % (len(self.rewritten), len(self.skipped))
-        return "\n".join(lines + [summary])
+        others = ["%d other top-k op(s), not MoE routers, left as they were:" % len(self.other_topk)] + [
+            "  %s: %s" % (path or "<root>", reason) for path, reason in self.other_topk] if self.other_topk else []
+        return "\n".join(lines + [summary] + others)
 
 
 @contextlib.contextmanager
@@ -141,7 +150,7 @@ def forget(decisions: list[BlockDecision]) -> None:
     counters and the open reports, quietly; the retrace records its own."""
     counters = torch._dynamo.utils.counters["moe_compile"]
     for decision in decisions:
-        counters["rewritten" if decision.rewritten else "skipped"] -= 1
+        counters[_counter(decision)] -= 1
         for report in _ACTIVE:
             report.blocks = [b for b in report.blocks if b is not decision]
 
@@ -150,14 +159,20 @@ def record(decision: BlockDecision) -> None:
     for seen in _TRACKING:
         seen.append(decision)
     counters = torch._dynamo.utils.counters["moe_compile"]
-    counters["rewritten" if decision.rewritten else "skipped"] += 1
+    counters[_counter(decision)] += 1
     if decision.rewritten:
         log.info("moe_compile: rewrote %s (%s, %s, E=%s, top-k=%s, %s)", decision.path, decision.router,
                  decision.experts, decision.num_experts, decision.top_k, decision.activation)
+    elif decision.not_moe:
+        log.info("moe_compile: a top-k at %s is no MoE router: %s", decision.path or "<root>", decision.reason)
     else:
         log.info("moe_compile: left %s as it was: %s", decision.path or "<root>", decision.reason)
     for report in _ACTIVE:
         report.add(decision)
+
+
+def _counter(decision: BlockDecision) -> str:
+    return "rewritten" if decision.rewritten else "other_topk" if decision.not_moe else "skipped"
 
 
 def record_graphs(before: str, after: str) -> None:

@@ -509,6 +509,12 @@ def no_output_reason(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, t
                 "weighting, dropped tokens, another combine?)" % (found, kind, ", ".join(acts) or "none"))
     if folded:
         shapes = ", ".join(str(list(ctx.values[n].shape)) for n in folded[:4])
+        widths = {d for m in mats for d in m.real(ctx.values).shape[-2:]} - {hidden}
+        if all(set(ctx.values[n].shape) - {hidden} <= widths for n in folded):
+            # [H, n] matrices whose n is a width of the 3-D experts: projections into and out of them
+            return ("%s found, but no gate/up and down pair of the block's hidden size %d: the experts run at "
+                    "another width, between projections %s (the op's experts read and write the hidden size)" % (
+                        found, hidden, shapes))
         return ("%s found, and a weight %s that holds all %d experts in one matrix (one Linear for every expert): "
                 "not a per-expert layout the fused op takes" % (found, shapes, anchor.num_experts))
     return ("%s found, but not as gate/up and down (or gate, up and down) tensors of hidden size %d: no layout "

@@ -75,7 +75,7 @@ class MoEFusionPass(_Base):
         path = _block_path(topk)
         if isinstance(anchor, str):
             if "group-selection" not in anchor:
-                record(BlockDecision(path=path, reason=anchor))
+                record(BlockDecision(path=path, reason=anchor, not_moe=isinstance(anchor, rt.NotRouter)))
             return
         real_weight = ctx.values.get(anchor.router_weight) if anchor.router_weight is not None else None
         weight_id = id(real_weight) if isinstance(real_weight, torch.Tensor) else None

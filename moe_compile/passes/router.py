@@ -78,6 +78,11 @@ def is_weight_root(node: fx.Node, names: dict | None = None) -> bool:
     return any(key in name for key in _WEIGHT_NAME)
 
 
+class NotRouter(str):
+    """Why a top-k is no MoE router at all (an attention indexer's key choice, a values-only top-k):
+    reported apart from the MoE blocks (``BlockDecision.not_moe``)."""
+
+
 def find_anchors(graph: fx.Graph, names: dict | None = None) -> list[tuple[fx.Node, RouterAnchor | str]]:
     """Each final top-k node with its anchor, or the reason it is not a router."""
     out = []
@@ -96,28 +101,28 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     scores = topk.args[0]
     sval = val(scores)
     if not isinstance(sval, torch.Tensor) or sval.dim() < 2:
-        return "top-k over a tensor of fewer than 2 dims (not a per-token expert choice)"
+        return NotRouter("top-k over a tensor of fewer than 2 dims (not a per-token expert choice)")
     if sval.dim() > 2 and _feeds_another_topk(topk):
         return "top-k over %d-D scores feeds a later top-k (a group-selection step, not the expert choice)" % (
             sval.dim())
     dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
     if dim not in (-1, sval.dim() - 1):
-        return "top-k is not over the last dimension"
+        return NotRouter("top-k is not over the last dimension")
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     if not largest:
-        return "top-k picks the smallest scores"
+        return NotRouter("top-k picks the smallest scores")
     top_k = topk.args[1]
     if not isinstance(top_k, int):
         return "top-k's k is symbolic"
     try:
         num_experts = int(sval.shape[-1])
     except GuardOnDataDependentSymNode:  # a data-dependent width (an attention indexer's kept keys)
-        return "top-k over a data-dependent number of scores (%s), not a fixed number of experts" % (
-            sval.shape[-1],)
+        return NotRouter("top-k over a data-dependent number of scores (%s), not a fixed number of experts" % (
+            sval.shape[-1],))
     ids = next((u for u in topk.users if is_getitem(u, 1)), None)
     values = next((u for u in topk.users if is_getitem(u, 0)), None)
     if ids is None:
-        return "top-k indices are unused"
+        return NotRouter("top-k indices are unused")
     if _feeds_another_topk(topk):
         return "top-k over %d groups feeds a later top-k (a group-selection step, not the expert choice)" % (
             num_experts)
@@ -128,10 +133,15 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
                     "(a router in another graph after a graph break, or a top-k that is not a router, such as "
                     "a load-balancing loss over the router logits)" % num_experts)
         return "no router matmul with %d outputs feeds the top-k" % num_experts
-    chain = {n for n in backward_slice([scores], {logits}) if n.op == "call_function"}
     x, weight = _matmul_operands(logits, names)
     if x is None:
+        acts = [a for a in logits.args if isinstance(a, fx.Node) and not is_weight_root(a, names)]
+        if len(acts) > 1:
+            return NotRouter("its scores are a product of two activations (attention-like, q @ k), not a "
+                             "router matmul with a weight")
         return "the router matmul has no activation operand"
+    logits = _scaled_logits(logits, backward_slice([scores], {logits}))
+    chain = {n for n in backward_slice([scores], {logits}) if n.op == "call_function"}
     bias = _selection_bias(chain, num_experts)
     return RouterAnchor(topk, ids, values, logits, x, weight, num_experts, top_k, chain, bias)
 
@@ -174,6 +184,36 @@ def _find_logits(scores: fx.Node, num_experts: int) -> tuple[fx.Node | None, set
             nxt.extend(node_inputs(node))
         frontier = nxt
     return None, chain
+
+
+_SCALE_OPS = {aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar}
+
+
+def _scaled_logits(mm: fx.Node, toward_scores: set[fx.Node]) -> fx.Node:
+    """The router logits the op is handed: the matmul's output, or that output times or divided by one
+    number (a temperature, MuseSpark's ``output_multiplier``), when that is its only way to the scores.
+    The number is then computed by the graph as before (a learned temperature follows its updates);
+    the op routes on what it gives. A cast alone does not move the logits (the CUDA lowering runs the
+    router GEMM itself on the matmul's own output)."""
+    node = found = mm
+    while True:
+        users = [u for u in node.users if u in toward_scores]
+        if len(users) != 1:
+            return found
+        user = users[0]
+        if user.target in CAST_OPS and user.args[0] is node:
+            node = user
+            continue
+        if user.target not in _SCALE_OPS or (user.target in (aten.div.Tensor, aten.div.Scalar)
+                                              and user.args[0] is not node):
+            return found
+        other = [a for a in user.args if a is not node]
+        other_val = val(other[0]) if len(other) == 1 and isinstance(other[0], fx.Node) else None
+        one_number = (len(other) == 1 and isinstance(other[0], (int, float))) or (
+            isinstance(other_val, torch.Tensor) and other_val.numel() == 1)
+        if not one_number or tuple(val(user).shape) != tuple(val(node).shape):
+            return found
+        node = found = user
 
 
 def _matmul_operands(mm: fx.Node, names: dict | None) -> tuple[fx.Node | None, fx.Node | None]:

@@ -169,3 +169,19 @@ def test_torch_logs_prints_each_line_once(first):
     assert "handlers 1 1 10" in out.stdout, (out.stdout, out.stderr[-2000:])
     lines = [line.split("] ", 1)[-1] for line in out.stderr.splitlines() if "] " in line]
     assert lines.count("one line") == 1 and lines.count("another line") == 1, out.stderr[-2000:]
+
+
+def test_attention_indexer_top_k_is_listed_apart_from_the_moe_blocks():
+    """DeepSeek-V3.2's attention indexer picks keys with a top-k over q @ k scores: no MoE router, so it
+    is no skipped block (the table and the ``skipped`` counter hold MoE blocks only)."""
+    from moe_compile.testing import zoo
+
+    model, kwargs = zoo.build_model("deepseek_v32", num_tokens=9)
+    torch._dynamo.utils.counters.clear()
+    report = moe_compile.explain(model, **kwargs, options={"inner_compiler": "aot_eager"})
+    assert len(report.rewritten) == 2 and not report.skipped, str(report)
+    assert [p for p, _ in report.other_topk] == ["model.layers.0.self_attn.indexer", "model.layers.1.self_attn.indexer"]
+    assert all("two activations" in reason for _, reason in report.other_topk), str(report)
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["skipped"] == 0 and counters["other_topk"] == 2
+    assert "self_attn.indexer" not in str(report).split("MoE block(s) rewritten")[0]

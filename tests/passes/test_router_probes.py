@@ -81,7 +81,10 @@ def test_a_top_k_over_a_data_dependent_width_does_not_stop_the_pass():
         report, diff = explain_and_compare(model, {"x": x})
     assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
     assert report.rewritten == ["moe"], str(report)
-    assert any("data-dependent number of scores" in reason for _, reason in report.skipped), str(report)
+    assert not report.skipped, str(report)  # no MoE block: listed apart
+    assert any("data-dependent number of scores" in reason for _, reason in report.other_topk), str(report)
+    assert "1 other top-k op(s), not MoE routers" in str(report)
+    assert torch._dynamo.utils.counters["moe_compile"]["other_topk"] == 1
     assert diff <= TOL[torch.float32], diff
 
 
@@ -107,3 +110,49 @@ def test_a_routing_scale_passed_in_per_call_is_read_per_call():
             out = torch.compile(model, backend="moe_npu", dynamic=True, options=options)(**kwargs)
             assert max_rel_diff(first_tensor(out), first_tensor(model(**kwargs))) <= TOL[torch.float32]
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1  # one graph served both
+
+
+class _TemperatureMoE(blocks.GatherEinsumMoE):
+    """gpt-fast's block with its router logits divided by a temperature (a number, or a learned 0-d
+    parameter) or, ``per_expert``, scaled by an ``[E]`` vector (not one number: left alone)."""
+
+    def __init__(self, temperature, per_expert: bool = False):
+        super().__init__(blocks.MoEBlockConfig())
+        self.per_expert = per_expert
+        self.temperature = torch.nn.Parameter(temperature) if isinstance(temperature, torch.Tensor) else temperature
+        if per_expert:
+            self.logit_scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, self.cfg.num_experts))
+        with torch.no_grad():
+            for p in [*self.gate.parameters(), *self.cond_ffn.parameters()]:
+                p.normal_(0.0, 0.1)
+
+    def forward(self, x_BSD):
+        x_TD = x_BSD.view(-1, self.cfg.hidden_size)
+        logits = self.gate(x_TD) * self.logit_scale if self.per_expert else self.gate(x_TD) / self.temperature
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1), self.cfg.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.einsum("tkd,tk -> td", self.cond_ffn(x_TD, ids), weights).view_as(x_BSD)
+
+
+@pytest.mark.parametrize("temperature", [0.3, "parameter"])
+def test_router_logits_scaled_by_one_number_are_rewritten(temperature):
+    """The op is handed the scaled logits (MuseSpark's ``output_multiplier`` form): the number stays in
+    the graph, so a learned temperature written after compiling is followed."""
+    torch.manual_seed(0)
+    model = _TemperatureMoE(torch.tensor(0.3) if temperature == "parameter" else temperature).eval()
+    x = torch.randn(1, 9, blocks.MoEBlockConfig().hidden_size)
+    report, diff = explain_and_compare(model, {"x_BSD": x})
+    assert len(report.rewritten) == 1 and diff <= TOL[torch.float32], (str(report), diff)
+    if temperature == "parameter":
+        fast = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+        with torch.no_grad():
+            assert max_rel_diff(fast(x), model(x)) <= TOL[torch.float32]
+            model.temperature.fill_(3.0)  # flatter routing: other picks and weights
+            assert max_rel_diff(fast(x), model(x)) <= TOL[torch.float32]
+
+
+def test_router_logits_scaled_per_expert_are_left_alone():
+    torch.manual_seed(0)
+    model = _TemperatureMoE(1.0, per_expert=True).eval()
+    report, diff = explain_and_compare(model, {"x_BSD": torch.randn(1, 9, blocks.MoEBlockConfig().hidden_size)})
+    assert not report.rewritten and diff <= TOL[torch.float32], (str(report), diff)
