@@ -59,10 +59,11 @@ def npu_activation(h_RN: torch.Tensor, cfg: ExpertsConfig) -> torch.Tensor:
     if not act.is_gated:
         return _UNGATED[act](h).to(h_RN.dtype)
     gate, up = split_gate_up(h, cfg.gate_up_interleaved)
-    if act is Activation.SWIGLU_OAI:  # gpt-oss
+    if act in (Activation.SWIGLU_OAI, Activation.SILU_CLAMPED):  # gpt-oss; DeepSeek-V4 style
         gate = gate.clamp(max=cfg.swiglu_limit)
         up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
-        out = (up + 1.0) * gate * torch.sigmoid(gate * cfg.swiglu_alpha)
+        out = _silu(gate) * up if act is Activation.SILU_CLAMPED else (
+            (up + 1.0) * gate * torch.sigmoid(gate * cfg.swiglu_alpha))
     else:
         out = _GATED[act](gate) * up
     return out.to(h_RN.dtype)

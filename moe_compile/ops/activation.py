@@ -34,9 +34,11 @@ def apply_activation(h_NF: torch.Tensor, cfg: ExpertsConfig) -> torch.Tensor:
         return F.gelu(gate).mul_(up)
     if act is Activation.GELU_TANH:
         return F.gelu(gate, approximate="tanh").mul_(up)
-    # SWIGLU_OAI (gpt-oss)
     gate = gate.clamp(max=cfg.swiglu_limit)
     up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+    if act is Activation.SILU_CLAMPED:
+        return F.silu(gate).mul_(up)
+    # SWIGLU_OAI (gpt-oss)
     glu = gate * torch.sigmoid(gate * cfg.swiglu_alpha)
     return (up + 1) * glu
 

@@ -26,6 +26,7 @@ class Activation(enum.Enum):
     GELU = "gelu"  # GELU-gated (exact erf GELU)
     GELU_TANH = "gelu_tanh"  # GELU-gated, tanh approximation
     SWIGLU_OAI = "swigluoai"  # gpt-oss: g=clamp(g,max=L), u=clamp(u,-L,L), (u+1)*g*sigmoid(alpha*g)
+    SILU_CLAMPED = "silu_clamped"  # DeepSeek-V4 style: silu(clamp(g, max=L)) * clamp(u, -L, L)
     SILU_NO_MUL = "silu_no_mul"
     GELU_NO_MUL = "gelu_no_mul"
     RELU_NO_MUL = "relu_no_mul"

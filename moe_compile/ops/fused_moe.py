@@ -6,7 +6,8 @@ extensions follow them for what real models need:
 - ``e_score_correction_bias [E]``: added to the scores for expert *selection* only
   (DeepSeek-V3 / GLM-4 ``noaux_tc`` routing);
 - ``activation``: ``"silu"`` (SiLU-gated, default), ``"gelu"``, ``"gelu_tanh"``, ``"swigluoai"``
-  (gpt-oss clamped SwiGLU, with ``swiglu_alpha``/``swiglu_limit``), or a non-gated
+  (gpt-oss clamped SwiGLU, with ``swiglu_alpha``/``swiglu_limit``), ``"silu_clamped"``
+  (``silu(clamp(gate, max=L)) * clamp(up, -L, L)`` with ``L = swiglu_limit``, DeepSeek-V4 style), or a non-gated
   ``"silu_no_mul"``/``"gelu_no_mul"``/``"relu_no_mul"``/``"relu2_no_mul"`` (then ``w13`` is
   ``[E, H, I]``); ``gate_up_interleaved`` reads w13's columns as alternating gate/up (gpt-oss);
 - ``scoring_after_topk``: Llama-4 routing, top-k on the raw logits then the score function on the

@@ -63,6 +63,8 @@ class ExpertsChoice:
 
     def describe(self) -> str:
         act = self.config.activation.value + (" interleaved" if self.config.gate_up_interleaved else "")
+        if self.config.activation in (Activation.SWIGLU_OAI, Activation.SILU_CLAMPED):
+            act += " (limit %g)" % self.config.swiglu_limit
         if self.w2.kind == "scale":
             act += " (per-expert scale folded into down_proj)"
         return act + (" (weights cast to %s)" % str(self.cast).replace("torch.", "") if self.cast else "")
@@ -190,10 +192,13 @@ def activation_candidates(region: set[fx.Node], gated: bool) -> list[ExpertsConf
     targets = {n.target for n in region}
     strided = any(n.target is aten.slice.Tensor and len(n.args) > 4 and n.args[4] == 2 for n in region)
     if gated:
-        order = [Activation.SILU, Activation.GELU, Activation.GELU_TANH, Activation.SWIGLU_OAI]
+        order = [Activation.SILU, Activation.GELU, Activation.GELU_TANH, Activation.SWIGLU_OAI,
+                 Activation.SILU_CLAMPED]
         if aten.clamp.default in targets or aten.clamp_max.default in targets or aten.clamp_min.default in targets:
-            order.remove(Activation.SWIGLU_OAI)
-            order.insert(0, Activation.SWIGLU_OAI)
+            clamped = [Activation.SWIGLU_OAI, Activation.SILU_CLAMPED]
+            if aten.silu.default in targets:  # silu(clamp(g)) * clamp(u): no sigmoid(alpha * g), no u + 1
+                clamped.reverse()
+            order = clamped + [a for a in order if a not in clamped]
         elif aten.gelu.default in targets or aten.erf.default in targets or aten.tanh.default in targets:
             tanh = aten.tanh.default in targets or any(n.kwargs.get("approximate") == "tanh" for n in region
                                                        if n.target is aten.gelu.default)
@@ -216,6 +221,8 @@ def activation_candidates(region: set[fx.Node], gated: bool) -> list[ExpertsConf
                 for limit in limits or [7.0]:
                     for alpha in alphas or [1.702]:
                         out.append(ExpertsConfig(act, alpha, limit, inter))
+            elif act is Activation.SILU_CLAMPED:
+                out += [ExpertsConfig(act, swiglu_limit=limit, gate_up_interleaved=inter) for limit in limits]
             else:
                 out.append(ExpertsConfig(act, gate_up_interleaved=inter))
     return out
@@ -281,7 +288,8 @@ _ACTIVATION_NAMES = {
     aten.hardtanh.default: "hardtanh", aten.hardswish.default: "hardswish", aten.softplus.default: "softplus",
     aten.mish.default: "mish",
 }
-SUPPORTED_ACTIVATIONS = ("gated: silu, gelu, gelu_tanh, swigluoai; non-gated: silu, gelu, relu, relu2")
+SUPPORTED_ACTIVATIONS = ("gated: silu, gelu, gelu_tanh, swigluoai, silu_clamped; non-gated: silu, gelu, relu, "
+                         "relu2")
 
 
 # the ops the supported activations show up as (swigluoai: sigmoid and clamps; gelu: erf or tanh; relu2: a square)

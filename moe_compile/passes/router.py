@@ -113,7 +113,7 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
         return NotRouter("top-k picks the smallest scores")
     top_k = topk.args[1]
     if not isinstance(top_k, int):
-        return "top-k's k is symbolic"
+        return NotRouter("top-k's k is symbolic (a router picks a fixed number of experts)")
     try:
         num_experts = int(sval.shape[-1])
     except GuardOnDataDependentSymNode:  # a data-dependent width (an attention indexer's kept keys)

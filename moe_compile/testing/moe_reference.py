@@ -58,6 +58,8 @@ def reference_activation(h: torch.Tensor, activation: str, *, interleaved: bool 
         return _gelu_erf(gate) * up
     if activation == "gelu_tanh":
         return _gelu_tanh(gate) * up
+    if activation == "silu_clamped":
+        return _silu(torch.clamp(gate, max=limit)) * torch.clamp(up, min=-limit, max=limit)
     if activation == "swigluoai":
         gate = torch.clamp(gate, max=limit)
         up = torch.clamp(up, min=-limit, max=limit)

@@ -118,10 +118,7 @@ MULTIMODAL_FAMILIES = (
                            mlp_layer_types=["sparse"],
                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])),
         block_classes=("HYV4VLMoE",), num_moe_layers=2, experts_impls=DECORATED, router_kind=RouterKind.R4,
-        router=_R4, activation="clamped_silu", shared_experts=SharedExperts.UNGATED, expressible=False,
-        skip_reason="experts use a clamped SwiGLU, silu(clamp(gate, max=L)) * clamp(up, -L, L), which is not an "
-                    "activation of the fused op",
-        capture=_GM, per_layer_keys=("mlp_layer_types",),
+        router=_R4, activation="silu_clamped", shared_experts=SharedExperts.UNGATED, capture=_GM, per_layer_keys=("mlp_layer_types",),
         notes="indexed (DSA-style) attention with an indexer top-k over keys (index_topk=4 < T exercises it); "
               "hyper-connections around attention and MoE",
     ),
@@ -292,9 +289,6 @@ RECENT_FAMILIES = (
     ),
 )
 
-_CLAMPED_SWIGLU = ("experts' _apply_gate is a clamped SwiGLU, silu(clamp(gate, max=L)) * clamp(up, -L, L) "
-                   "(swiglu_limit L=10): neither the op's silu (no clamp) nor its swigluoai "
-                   "((clamp(up)+1) * gate * sigmoid(alpha * gate))")
 # the DSA attention indexer shrunk to the tiny shapes (hy_v4, glm5_next, axk2, dots3_note, mistral_large4)
 _DSA = dict(index_head_dim=16, index_n_heads=2, index_topk=8)
 _AXK2 = tiny(_MOE, TINY_MLA, _SPARSE, _DSA, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
@@ -310,14 +304,13 @@ DEEPSEEK_LIKE_FAMILIES = (
               layer_types=["linear_attention", "indexed_attention"], linear_head_dim=16, linear_num_heads=4,
               index_kpool=4, hc_mult=2),
          model_type="glm5_next_text", shared=SharedExperts.UNGATED, per_layer=("layer_types", "mlp_layer_types"),
-         expressible=False, skip_reason=_CLAMPED_SWIGLU,
+         activation="silu_clamped",
          notes="text model only (last_hidden_state); KDA + DSA-indexed MLA layers, 2 hyper-connection streams; "
                "the indexer's top-k has a data-dependent last dim (it used to stop the whole pass)"),
     _fam("hy_v4", "HYV4Config", "HYV4ForCausalLM", "HYV4MoE", RouterKind.R4, _R4,
          tiny(_MOE, TINY_MLA, _SPARSE, _DSA, moe_intermediate_size=32, n_routed_experts=8, n_group=4, topk_group=2,
               n_shared_experts=1, hc_mult=2),
-         shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",), expressible=False,
-         skip_reason=_CLAMPED_SWIGLU,
+         shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",), activation="silu_clamped",
          notes="n_group=1 in the release (global top-k); 4 here to exercise the group path"),
     _fam("axk2", "AXK2Config", "AXK2ForCausalLM", "AXK2MoE", RouterKind.R3,
          "fp32 linear -> sigmoid -> topk(scores + e_score_correction_bias) -> gather -> /(sum+1e-20) "

@@ -79,7 +79,8 @@ def _assert_close(out, ref):
 
 
 ACTS = [(Activation.SILU, False), (Activation.GELU, False), (Activation.GELU_TANH, False),
-        (Activation.SWIGLU_OAI, True), (Activation.SILU_NO_MUL, False), (Activation.RELU2_NO_MUL, False)]
+        (Activation.SWIGLU_OAI, True), (Activation.SILU_NO_MUL, False), (Activation.RELU2_NO_MUL, False),
+        (Activation.SILU_CLAMPED, False)]
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.value)
@@ -141,8 +142,9 @@ def test_moe_gemm_pair_blocks_and_reference():
 def test_activation_kernel_matches_reference():
     gen = torch.Generator().manual_seed(2)
     h = torch.randn(7, 40, generator=gen).to(DEV, DTYPE)
-    for act, inter in ((Activation.SILU, False), (Activation.SWIGLU_OAI, True), (Activation.GELU_NO_MUL, False)):
-        cfg = ExpertsConfig(activation=act, gate_up_interleaved=inter)
+    for act, inter in ((Activation.SILU, False), (Activation.SWIGLU_OAI, True), (Activation.GELU_NO_MUL, False),
+                       (Activation.SILU_CLAMPED, True)):
+        cfg = ExpertsConfig(activation=act, gate_up_interleaved=inter, swiglu_limit=0.75)
         tol = 1e-5 if DTYPE == torch.float32 else 2e-2
         torch.testing.assert_close(activation(h, cfg).float(), activation_reference(h.float(), cfg), rtol=tol, atol=tol)
 

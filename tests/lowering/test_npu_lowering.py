@@ -87,6 +87,7 @@ ACTIVATIONS = {
     "gelu": (dict(activation="gelu"), True, False, 0),
     "gelu_tanh": (dict(activation="gelu_tanh"), True, False, 0),
     "swigluoai_interleaved_bias": (dict(activation="swigluoai", gate_up_interleaved=True), True, True, 0),
+    "silu_clamped_bias": (dict(activation="silu_clamped", swiglu_limit=0.5), True, True, 0),
     "silu_interleaved": (dict(activation="silu", gate_up_interleaved=True), True, False, 0),
     "silu_no_mul": (dict(activation="silu_no_mul"), False, False, 0),
     "relu2_no_mul_bias": (dict(activation="relu2_no_mul"), False, True, 0),

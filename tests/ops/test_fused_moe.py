@@ -72,6 +72,9 @@ ACTIVATIONS = {
                                   swiglu_limit=0.5),
     "swigluoai_halves": dict(activation="swigluoai", swiglu_alpha=1.2, swiglu_limit=7.0),
     "silu_interleaved": dict(activation="silu", gate_up_interleaved=True),
+    # DeepSeek-V4 style clamped SwiGLU (hy_v4, glm5_next), a limit small enough that both clamps bite
+    "silu_clamped": dict(activation="silu_clamped", swiglu_limit=0.5),
+    "silu_clamped_interleaved": dict(activation="silu_clamped", gate_up_interleaved=True, swiglu_limit=0.5),
     "silu_no_mul": dict(activation="silu_no_mul"),
     "gelu_no_mul": dict(activation="gelu_no_mul"),
     "relu_no_mul": dict(activation="relu_no_mul"),
@@ -89,12 +92,15 @@ def test_activations_match_reference(act, dtype):
     check_against_reference(out, tensors, dtype, top_k=3, **kwargs)
 
 
-def test_swigluoai_clamp_changes_the_result():
+@pytest.mark.parametrize("act", ["swigluoai", "silu_clamped"])
+def test_swiglu_clamp_changes_the_result(act):
     """The small limit above must actually clamp (otherwise that test would not test the clamp)."""
     tensors = make_inputs(bias=True, seed=3, tokens=6)
-    clamped = fused_moe(**tensors, top_k=3, activation="swigluoai", swiglu_limit=0.5)
-    loose = fused_moe(**tensors, top_k=3, activation="swigluoai", swiglu_limit=100.0)
+    clamped = fused_moe(**tensors, top_k=3, activation=act, swiglu_limit=0.5)
+    loose = fused_moe(**tensors, top_k=3, activation=act, swiglu_limit=100.0)
     assert (clamped - loose).abs().max() > 1e-2
+    if act == "silu_clamped":  # with a limit no value reaches, it is the plain SiLU-gated MLP
+        torch.testing.assert_close(loose, fused_moe(**tensors, top_k=3, activation="silu"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -211,7 +217,8 @@ def configs(draw):
         group_select_mode=draw(st.sampled_from([0, 1] if per_group >= 2 else [0])),
         renormalize=draw(st.booleans()), normalize_sigmoid=draw(st.booleans()),
         routed_scaling_factor=draw(st.sampled_from([1.0, 0.5, 2.5])), scoring_after_topk=scoring_after_topk,
-        activation=draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "swigluoai", "silu_no_mul", "relu2_no_mul"])),
+        activation=draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped", "silu_no_mul",
+                                         "relu2_no_mul"])),
         gate_up_interleaved=draw(st.booleans()),
         apply_router_weight_on_input=top_k == 1 and draw(st.booleans()),
     )

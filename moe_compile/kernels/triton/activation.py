@@ -23,6 +23,7 @@ class ActCode(enum.IntEnum):
     GELU = 1
     GELU_TANH = 2
     SWIGLU_OAI = 3
+    SILU_CLAMPED = 4
     SILU_NO_MUL = 10
     GELU_NO_MUL = 11
     RELU_NO_MUL = 12
@@ -33,7 +34,7 @@ _CODES = {
     Activation.SILU: ActCode.SILU, Activation.GELU: ActCode.GELU, Activation.GELU_TANH: ActCode.GELU_TANH,
     Activation.SWIGLU_OAI: ActCode.SWIGLU_OAI, Activation.SILU_NO_MUL: ActCode.SILU_NO_MUL,
     Activation.GELU_NO_MUL: ActCode.GELU_NO_MUL, Activation.RELU_NO_MUL: ActCode.RELU_NO_MUL,
-    Activation.RELU2_NO_MUL: ActCode.RELU2_NO_MUL,
+    Activation.RELU2_NO_MUL: ActCode.RELU2_NO_MUL, Activation.SILU_CLAMPED: ActCode.SILU_CLAMPED,
 }
 
 
@@ -67,6 +68,10 @@ def apply_act(g, u, alpha, limit, ACT: tl.constexpr):
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
         return (u + 1.0) * (g * _sigmoid(g * alpha))
+    elif ACT == 4:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return g * _sigmoid(g) * u
     elif ACT == 10:
         return g * _sigmoid(g)
     elif ACT == 11:

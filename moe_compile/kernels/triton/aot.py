@@ -37,6 +37,7 @@ DESC = "tensordesc<bf16[64, 64]>"
 VARIANTS = {
     "sorted-gemm1": {},
     "sorted-gemm1-pdl": dict(PDL=True),
+    "sorted-gemm1-silu-clamped": dict(ACT=4),
     "pairs-gemm1-map": dict(PAIR_BLOCKS=True, HAS_MAP=True),
     "sorted-gemm2-bias": dict(GATHER_A=False, GATED=False, ACT=-1, HAS_BIAS=True),
     "sorted-gemm1-tma": dict(W_TMA=True, w_desc=DESC),
