@@ -260,9 +260,16 @@ class Fp32SumMoE(nn.Module):
 
 
 def test_bf16_experts_summed_in_fp32_are_rewritten():
-    torch.manual_seed(0)
+    # seed 0 put two tokens' 2nd and 3rd experts within 0.2 % of each other, about one bf16 step of the
+    # logits: torch 2.11's CPU bf16 linear rounded them the other way in eager than in the graph, and the
+    # test failed on routing, not on the rewrite. Seed 9's smallest margin is 5 %.
+    torch.manual_seed(9)
     model = Fp32SumMoE().to(torch.bfloat16).eval()
-    report, diff = explain_and_compare(model, {"x": torch.randn(12, H, dtype=torch.bfloat16)})
+    x = torch.randn(12, H, dtype=torch.bfloat16)
+    with torch.no_grad():
+        top = model.gate(x).float().softmax(-1).topk(K + 1, dim=-1).values
+    assert ((top[:, K - 1] - top[:, K]) / top[:, K - 1]).min() > 0.02, "the routing has a near-tie"
+    report, diff = explain_and_compare(model, {"x": x})
     assert report.rewritten == [""], str(report)
     assert report.output.dtype == torch.float32
     assert diff <= 2e-2, (diff, str(report))
