@@ -7,7 +7,7 @@ against the fp32 reference, and 1e-2 against the tuned GEMM plan and against
 """
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
@@ -112,6 +112,9 @@ def test_decode_tma_loads_match_pointer_loads(bias):
 @given(tokens=st.integers(1, 4), experts=st.integers(2, 6), top_k=st.integers(1, 3), hidden=st.integers(16, 48),
        inter=st.integers(16, 40), block_i=st.sampled_from([16, 32]), block_n=st.sampled_from([16, 32]),
        bias=st.booleans(), hf_layout=st.booleans(), mapped=st.booleans(), seed=st.integers(0, 2 ** 16))
+# found on the H200: the one token's one expert lives on another rank, so out and the reference are all zeros
+@example(tokens=1, experts=2, top_k=1, hidden=16, inter=23, block_i=16, block_n=16, bias=False, hf_layout=False,
+         mapped=True, seed=0)
 def test_decode_matches_the_reference_on_random_problems(tokens, experts, top_k, hidden, inter, block_i, block_n,
                                                         bias, hf_layout, mapped, seed):
     """Any sizes (H and I off the blocks), layouts, biases and expert maps: the plain-torch

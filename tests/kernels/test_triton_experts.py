@@ -74,6 +74,12 @@ def _assert_close(out, ref):
     if DTYPE == torch.float32:
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     else:
+        # a token none of whose experts is local (expert maps) gets exact zeros; an all-zero reference
+        # has no relative error (0 / 0 was NaN here, out being right)
+        zero_rows = (ref == 0).all(-1)
+        assert (out[zero_rows] == 0).all(), out[zero_rows]
+        if zero_rows.all():
+            return
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, err
 
