@@ -79,7 +79,7 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
                              "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
         return _compile_plain(gm, example_inputs, inner, config)
-    from moe_compile.report import forget, take_back, tracking
+    from moe_compile.report import forget, tracking
 
     with tracking() as decisions:
         try:
@@ -90,13 +90,32 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
             forget(decisions)
             raise
         except Exception as exc:  # never break a compile that works without us
-            log.debug("moe_compile: the pass failed", exc_info=True)
-            _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiling the original graph",
-                       type(exc).__name__, exc)
-            torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
-            take_back(decisions, "the compile failed after the rewrite (%s: %s); the original graph was "
-                      "compiled instead" % (type(exc).__name__, str(exc).split("\n")[0][:200]))
-    return _compile_plain(gm, example_inputs, inner, config)
+            log.debug("moe_compile: the compile with the pass failed", exc_info=True)
+            failure = exc
+    try:
+        compiled = _compile_plain(gm, example_inputs, inner, config)
+    except Exception:
+        # the original graph fails as well, so the pass is not to blame: its decisions go (a
+        # data-dependent guard here, e.g. Inductor lowering a graph that capture.py's flags let
+        # Dynamo capture, makes Dynamo trace the frame again without them, and that records its own)
+        log.debug("moe_compile: the original graph fails to compile too (%s: %s)", type(failure).__name__,
+                  str(failure).split("\n")[0][:200])
+        forget(decisions)
+        raise
+    _blame_the_pass(decisions, failure)
+    return compiled
+
+
+def _blame_the_pass(decisions: list, exc: Exception) -> None:
+    """The compile with the pass failed and the original graph compiled: warn, count, and turn the
+    rewrites back into skips."""
+    from moe_compile.report import take_back
+
+    _warn_once("pass", "moe_compile: the MoE pass failed (%s: %s); compiled the original graph",
+               type(exc).__name__, exc)
+    torch._dynamo.utils.counters["moe_compile"]["pass_failed"] += 1
+    take_back(decisions, "the compile failed after the rewrite (%s: %s); the original graph was "
+              "compiled instead" % (type(exc).__name__, str(exc).split("\n")[0][:200]))
 
 
 def _with_mode(config: BackendConfig, mode: str) -> BackendConfig:

@@ -11,7 +11,11 @@ Some code that Dynamo compiles fine without them fails under them: ``for e in id
 ``GuardOnDataDependentSymNode`` while Dynamo traces. A compile that works without us must work
 with us, so when tracing a frame under our flags fails that way, the flags are turned off and
 Dynamo traces the frame again (its own ``RestartAnalysis``), exactly as it would without us; the
-report says why (``<frame ...>``: skipped), and the blocks in that frame stay as they were.
+report says why (``<frame ...>``: skipped), and the blocks in that frame stay as they were. The same
+goes for a frame Dynamo traces under them but Inductor cannot lower (``x[mask.nonzero()]`` feeding a
+``matmul``: Inductor's bmm lowering guards on the data-dependent size), once the original graph has
+failed too (``backend.py``): the graph breaks at the data-dependent op, as without us, and blocks
+that do not need the capture are rewritten in the graphs on either side.
 """
 from __future__ import annotations
 
@@ -87,7 +91,7 @@ def _retrace_without_flags(code, error: BaseException) -> None:
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = "<frame %s at %s:%s>" % (code.co_name, code.co_filename, code.co_firstlineno)
     record(BlockDecision(path=where, reason=(
-        "Dynamo could not trace this frame while capturing data-dependent shapes (%s: %s); it was traced "
+        "this frame could not be traced or compiled while capturing data-dependent shapes (%s: %s); it was traced "
         "again without that capture, as without moe_npu, so MoE blocks in it that need it (expert loops "
         "over torch.where/.tolist()) are split by graph breaks and left as they were" % (
             type(error).__name__, first[:160]))))

@@ -3,13 +3,15 @@ flags the backend turns on (``GuardOnDataDependentSymNode``) is traced again wit
 compile works, the output equals eager, and the report says why."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import moe_compile
-from moe_compile.testing.blocks import MoEBlockConfig, V4MoEBlock
+from moe_compile.testing.blocks import GatherEinsumMoE, MoEBlockConfig, V4MoEBlock
 from moe_compile.testing.zoo import redraw_parameters
 
 H, I, E, K = 16, 8, 4, 2
@@ -80,3 +82,44 @@ def test_capture_still_on_for_frames_that_need_it_and_off_after():
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
     assert not torch._dynamo.config.capture_dynamic_output_shape_ops
     assert not torch._dynamo.config.capture_scalar_outputs
+
+
+class _IndexerThenMoE(nn.Module):
+    """A DSA-style indexer (scores against the keys a mask picks: ``x[mask.nonzero()]`` into a
+    ``matmul``) before a gpt-fast block, in one frame: Dynamo traces it under the capture flags,
+    but Inductor's bmm lowering guards on the data-dependent key count (glm5_next in bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        cfg = MoEBlockConfig(hidden_size=H, intermediate_size=I, num_experts=E, top_k=K)
+        self.moe = GatherEinsumMoE(cfg)
+        redraw_parameters(self.moe, seed=0)
+
+    def forward(self, x, mask):
+        keys = x[mask.nonzero()[:, 0]]
+        scores = torch.matmul(x.view(2, -1, H).float(), keys.t().float().unsqueeze(0))
+        return self.moe(x) + scores.amax(-1).reshape(-1, 1)
+
+
+@pytest.mark.slow
+def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_on_the_pass():
+    """The compile with the pass fails in Inductor, and so does the original graph: that is no pass
+    failure (no warning, no ``pass_failed``, no block taken back); the frame is traced again
+    without the flags, and the block, which does not need them, is rewritten after the break."""
+    from moe_compile.report import collecting
+
+    torch.manual_seed(0)
+    model = _IndexerThenMoE().eval()
+    x, mask = torch.randn(8, H), torch.tensor([1, 0, 1, 1, 0, 0, 1, 0], dtype=torch.bool)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad(), collecting() as report, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "the MoE pass failed" is a RuntimeWarning
+        out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "inductor"})(x, mask)
+        torch.testing.assert_close(out, model(x, mask), rtol=1e-5, atol=1e-5)
+    counters = torch._dynamo.utils.counters["moe_compile"]
+    assert counters["pass_failed"] == 0 and counters["rewritten"] == 1, dict(counters)
+    assert report.rewritten == ["moe"], str(report)
+    frames = [reason for path, reason in report.skipped if path.startswith("<frame")]
+    assert len(frames) == 1 and "traced or compiled while capturing" in frames[0], report.skipped
+    assert not any("compile failed after the rewrite" in reason for _, reason in report.skipped), report.skipped
