@@ -11,7 +11,9 @@ it there (functionalised, every spelling of an op normalised), then the inner co
 - ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
 
 Any exception inside the pass compiles the original graph instead and warns once: a compile
-that works without us works with us. Dynamo's ``RestartAnalysis`` (a request to trace the frame
+that works without us works with us. A failure the original graph shares (it fails too, or the pass
+changed nothing and Inductor failed) is not the pass's: no warning, and the error goes on to Dynamo
+(which, for a data-dependent guard under our capture flags, traces the frame again without them). Dynamo's ``RestartAnalysis`` (a request to trace the frame
 again, not a failure) is passed on, and what the pass recorded in that attempt is forgotten.
 """
 from __future__ import annotations
@@ -91,6 +93,10 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
             raise
         except Exception as exc:  # never break a compile that works without us
             log.debug("moe_compile: the compile with the pass failed", exc_info=True)
+            if getattr(exc, "moe_compile_graph_untouched", False):
+                # the pass changed nothing, so the original graph fails the same way: not ours (see below)
+                forget(decisions)
+                raise
             failure = exc
     try:
         compiled = _compile_plain(gm, example_inputs, inner, config)
@@ -217,10 +223,13 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
     from moe_compile import compile_cache
 
     def pre_pass(graph):
-        before = graph.python_code("self").src
+        touched, hook.touched = hook.touched, True  # until the pass has run and changed nothing
+        before, partitions = graph.python_code("self").src, inductor_config.graph_partition
         moe_pass(graph)
-        _graphs_done(config, before, graph.python_code("self").src)
+        after = graph.python_code("self").src
+        _graphs_done(config, before, after)
         _no_partitions_for_data_dependent_graphs(graph)
+        hook.touched = touched or after != before or inductor_config.graph_partition != partitions
 
     uncached = compile_cache.uncached_reason(config)
     uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, gm, example_inputs)
@@ -228,8 +237,14 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
     patches = dict(post_grad_custom_pre_pass=hook, graph_partition=inductor_config.graph_partition)
     if uncached:
         patches["fx_graph_cache"] = False
-    with inductor_config.patch(**patches):
-        compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+    try:
+        with inductor_config.patch(**patches):
+            compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+    except Exception as exc:
+        if not hook.touched:  # Inductor failed on the graph as it came: compiling it again would too
+            with contextlib.suppress(AttributeError):
+                exc.moe_compile_graph_untouched = True
+        raise
     if uuid is not None:
         if hook.ran:
             compile_cache.save(uuid, list(decisions), example_inputs)
@@ -263,6 +278,7 @@ class _InductorHook(_CustomGraphPass):
 
     def __init__(self, fn, uuid: str | None):
         self._fn, self._uuid, self.ran = fn, uuid, False
+        self.touched = False  # whether the pass changed a graph (or failed inside)
 
     def __call__(self, graph):
         self.ran = True

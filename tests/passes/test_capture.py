@@ -102,12 +102,19 @@ class _IndexerThenMoE(nn.Module):
 
 
 @pytest.mark.slow
-def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_on_the_pass():
+@pytest.mark.parametrize("exclude", [None, "*"])
+def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_on_the_pass(exclude, monkeypatch):
     """The compile with the pass fails in Inductor, and so does the original graph: that is no pass
     failure (no warning, no ``pass_failed``, no block taken back); the frame is traced again
-    without the flags, and the block, which does not need them, is rewritten after the break."""
+    without the flags, and the block, which does not need them, is rewritten after the break.
+    Where the pass changed nothing (``exclude="*"``) the original graph is not compiled again."""
+    from moe_compile import backend
     from moe_compile.report import collecting
 
+    plain_compiles = []
+    original = backend._compile_plain
+    monkeypatch.setattr(backend, "_compile_plain", lambda *a: plain_compiles.append(1) or original(*a))
+    options = {"inner_compiler": "inductor", **({"exclude": exclude} if exclude else {})}
     torch.manual_seed(0)
     model = _IndexerThenMoE().eval()
     x, mask = torch.randn(8, H), torch.tensor([1, 0, 1, 1, 0, 0, 1, 0], dtype=torch.bool)
@@ -115,11 +122,12 @@ def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_
     torch._dynamo.utils.counters.clear()
     with torch.no_grad(), collecting() as report, warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # "the MoE pass failed" is a RuntimeWarning
-        out = torch.compile(model, backend="moe_npu", options={"inner_compiler": "inductor"})(x, mask)
+        out = torch.compile(model, backend="moe_npu", options=options)(x, mask)
         torch.testing.assert_close(out, model(x, mask), rtol=1e-5, atol=1e-5)
     counters = torch._dynamo.utils.counters["moe_compile"]
-    assert counters["pass_failed"] == 0 and counters["rewritten"] == 1, dict(counters)
-    assert report.rewritten == ["moe"], str(report)
+    assert counters["pass_failed"] == 0 and counters["rewritten"] == (0 if exclude else 1), dict(counters)
+    assert report.rewritten == ([] if exclude else ["moe"]), str(report)
+    assert len(plain_compiles) == (0 if exclude else 1)  # the one with the rewrite: the original failed too
     frames = [reason for path, reason in report.skipped if path.startswith("<frame")]
     assert len(frames) == 1 and "traced or compiled while capturing" in frames[0], report.skipped
     assert not any("compile failed after the rewrite" in reason for _, reason in report.skipped), report.skipped
