@@ -13,8 +13,9 @@ it there (functionalised, every spelling of an op normalised), then the inner co
 Any exception inside the pass compiles the original graph instead and warns once: a compile
 that works without us works with us. A failure the original graph shares (it fails too, or the pass
 changed nothing and Inductor failed) is not the pass's: no warning, and the error goes on to Dynamo
-(which, for a data-dependent guard under our capture flags, traces the frame again without them). Dynamo's ``RestartAnalysis`` (a request to trace the frame
-again, not a failure) is passed on, and what the pass recorded in that attempt is forgotten.
+(which, for a data-dependent guard under our capture flags, traces the frame again without them).
+Dynamo's ``RestartAnalysis`` (a request to trace the frame again, not a failure) is passed on, and
+what the pass recorded in that attempt is forgotten.
 """
 from __future__ import annotations
 

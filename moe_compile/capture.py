@@ -14,8 +14,9 @@ Dynamo traces the frame again (its own ``RestartAnalysis``), exactly as it would
 report says why (``<frame ...>``: skipped), and the blocks in that frame stay as they were. The same
 goes for a frame Dynamo traces under them but Inductor cannot lower (``x[mask.nonzero()]`` feeding a
 ``matmul``: Inductor's bmm lowering guards on the data-dependent size), once the original graph has
-failed too (``backend.py``): the graph breaks at the data-dependent op, as without us, and blocks
-that do not need the capture are rewritten in the graphs on either side.
+failed too, or straight away where the pass changed nothing (``backend.py``): the graph breaks at
+the data-dependent op, as without us, and blocks that do not need the capture are rewritten in the
+graphs on either side.
 """
 from __future__ import annotations
 
