@@ -2,6 +2,7 @@
 
     python benchmarks/probe_decode1.py [--models qwen3] [--layers 2] [--reps 20]
     python benchmarks/probe_decode1.py --ab [--rounds 4]   # inductor-cg vs moe_npu-cg, alternately
+    python benchmarks/probe_decode1.py --ab --models gemma4 --tokens 32   # any bench_e2e model, any batch
 
 ``bench_e2e.py --sizes decode1`` gives one number per mode; this script profiles the same forward
 (one sequence of one token, ``bench_e2e.build``'s model) under ``inductor-cg``, ``moe_npu-cg``
@@ -9,7 +10,8 @@ and ``moe_npu-cg`` with the router GEMM left to the graph (``router-off``: the p
 ``_router_op`` patched to decline), and prints each mode's median time and its kernels (total
 microseconds per forward, launches per forward), so the modes can be compared kernel by kernel.
 
-``--ab``: ``inductor-cg`` and ``moe_npu-cg`` compiled on two copies of the model, then timed in
+``--tokens`` makes the sequence longer (one sequence of that many tokens, no KV cache, as in
+``bench_e2e.py``). ``--ab``: ``inductor-cg`` and ``moe_npu-cg`` compiled on two copies of the model, then timed in
 alternation (``--rounds``, the first mode swapped every round), so the host's drift between modes
 does not decide the comparison; also the CUDA-graph launches and CUDA runtime calls per forward
 (from the profiler's host side), which say whether a mode replays one graph or several pieces.
@@ -26,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_e2e import build, timed  # noqa: E402
+from bench_e2e import DIMS, build, timed  # noqa: E402
 from bench_moe_layer import cuda_or_say  # noqa: E402
 
 
@@ -59,14 +61,18 @@ def host_calls_per_call(fn, calls: int = 5) -> dict[str, float]:
     return {k: v / calls for k, v in count.items()}
 
 
-def run_ab(name: str, layers: int, reps: int, rounds: int) -> None:
+def _ids(model, tokens: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda",
+                         generator=torch.Generator(device="cuda").manual_seed(1))
+
+
+def run_ab(name: str, layers: int, reps: int, rounds: int, tokens: int = 1) -> None:
     import copy
 
     import moe_compile  # noqa: F401  (registers backend="moe_npu")
 
     model = build(name, layers, False, "cuda")
-    ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
+    ids = _ids(model, tokens)
     fns = {}
     for mode, m in (("inductor-cg", model), ("moe_npu-cg", copy.deepcopy(model))):
         compiled = torch.compile(m, backend="inductor" if mode == "inductor-cg" else "moe_npu", mode="reduce-overhead")
@@ -95,13 +101,12 @@ def run_ab(name: str, layers: int, reps: int, rounds: int) -> None:
     print(f"\n{name}: moe_npu-cg / inductor-cg per round {' '.join(f'{y / x:.3f}' for x, y in zip(a, b))}", flush=True)
 
 
-def run(name: str, layers: int, reps: int) -> None:
+def run(name: str, layers: int, reps: int, tokens: int = 1) -> None:
     import moe_compile  # noqa: F401  (registers backend="moe_npu")
     from moe_compile.passes import rewrite
 
     model = build(name, layers, False, "cuda")
-    ids = torch.randint(0, model.config.vocab_size, (1, 1), device="cuda",
-                        generator=torch.Generator(device="cuda").manual_seed(1))
+    ids = _ids(model, tokens)
     original = rewrite._router_op
     for mode in ("inductor-cg", "moe_npu-cg", "router-off"):
         torch._dynamo.reset()
@@ -131,19 +136,20 @@ def run(name: str, layers: int, reps: int) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen3"], choices=["mixtral", "qwen3", "deepseek_v3"])
+    parser.add_argument("--models", nargs="+", default=["qwen3"], choices=list(DIMS))
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--ab", action="store_true", help="inductor-cg vs moe_npu-cg, timed alternately")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=1, help="tokens in the one sequence (default 1)")
     args = parser.parse_args(argv)
     if not cuda_or_say("probe_decode1"):
         return 2
     for name in args.models:
         if args.ab:
-            run_ab(name, args.layers, args.reps, args.rounds)
+            run_ab(name, args.layers, args.reps, args.rounds, args.tokens)
         else:
-            run(name, args.layers, args.reps)
+            run(name, args.layers, args.reps, args.tokens)
     return 0
 
 

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 @pytest.mark.parametrize("script,argv", [("bench_untuned", []), ("tune_triton", ["--shape", "8,2,64,32"]),
                                          ("sweep_gemm", []), ("probe_gemv", []),
                                          ("ab_layer", ["--points", "qwen3:8"]), ("probe_capacity", []),
-                                         ("probe_decode", []), ("profile_e2e", [])])
+                                         ("probe_decode", []), ("probe_decode1", ["--models", "gemma4", "--tokens", "32"])])
 def test_says_it_needs_cuda(script, argv, capsys):
     assert importlib.import_module(script).main(argv) == 2
     assert f"{script} needs a CUDA device" in capsys.readouterr().err
