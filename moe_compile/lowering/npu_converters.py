@@ -88,6 +88,11 @@ ATEN_GE_CONVERTERS: dict[str, str] = {
     "aten::tanh.default": "read: aten/tanh.py -> Tanh",
     "aten::relu.default": "read: aten/relu.py -> Relu",
     "aten::pow.Tensor_Scalar": "read: aten/pow.py -> Pow",
+    # sqrt-softplus routing (aten.softplus's converter raises NotImplementedError, so it is spelled out)
+    "aten::exp.default": "read: aten/exp.py -> Exp",
+    "aten::log1p.default": "read: aten/log1p.py -> Log1p",
+    "aten::sqrt.default": "read: aten/sqrt.py -> Sqrt",
+    "aten::gt.Scalar": "read: aten/gt.py -> Greater",
     # basic arithmetic, casts and views: present in every TorchAir release, not read one by one
     "aten::add.Tensor": "assumed", "aten::mul.Tensor": "assumed", "aten::div.Tensor": "assumed",
     "aten::sub.Tensor": "assumed", "aten::sigmoid.default": "assumed", "aten::eq.Scalar": "assumed",

@@ -4,6 +4,7 @@ Which op runs:
 
 - softmax, no groups, no selection bias -> ``npu_moe_gating_top_k_softmax`` (MindIE-SD's choice);
 - softmax with groups or a bias, and normalised sigmoid -> ``npu_moe_gating_top_k``;
+- sqrt-softplus (DeepSeek-V4): plain torch ops (norm_type 2 is newer CANN than torch_npu 2.14 documents);
 - anything the ops cannot express -> plain torch ops (:func:`torch_routing`), logged once with the
   reason. It has the reference's semantics (``ops.routing.select_experts``) but selects with
   ``torch.topk``, not the reference's stable sort: TorchAir converts ``aten.topk`` (GE TopKV2) but
@@ -53,6 +54,9 @@ def plan_gating(cfg: RoutingConfig, has_bias: bool) -> GatingPlan:
     if cfg.scoring_after_topk:
         return GatingPlan(GatingOp.TORCH, "scoring_after_topk (Llama-4) selects on raw logits; the NPU gating "
                                           "ops select on softmax/sigmoid scores")
+    if cfg.method is RoutingMethod.SQRTSOFTPLUS:
+        return GatingPlan(GatingOp.TORCH, "npu_moe_gating_top_k's norm_type 2 (sqrt(softplus), DeepSeek-V4) is in newer "
+                                          "CANN only; torch_npu 2.14 documents norm_type 0 and 1")
     if cfg.method is RoutingMethod.SIGMOID and not cfg.normalize_sigmoid:
         return GatingPlan(GatingOp.TORCH, "npu_moe_gating_top_k always renormalises sigmoid weights (norm_type=1), "
                                           "but normalize_sigmoid=False asks for raw sigmoid scores")

@@ -12,6 +12,14 @@ from dataclasses import dataclass
 class RoutingMethod(enum.Enum):
     SOFTMAX = "softmax"
     SIGMOID = "sigmoid"
+    # extension: DeepSeek-V4's score function sqrt(softplus(logits)); routed like sigmoid (elementwise
+    # scores, selection bias, weights normalised over the picks unless normalize_sigmoid=False)
+    SQRTSOFTPLUS = "sqrtsoftplus"
+
+    @property
+    def elementwise(self) -> bool:
+        """Each expert's score depends on its own logit only (sigmoid, sqrt-softplus), not softmax."""
+        return self is not RoutingMethod.SOFTMAX
 
 
 class Activation(enum.Enum):

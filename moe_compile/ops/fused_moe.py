@@ -14,6 +14,9 @@ extensions follow them for what real models need:
   k picks; ``normalize_sigmoid=False`` keeps sigmoid weights unnormalised (Llama-4, DeepSeek-V3
   with ``norm_topk_prob=False``); ``apply_router_weight_on_input`` scales the expert input by the
   (top-1) weight instead of its output (Llama-4);
+- ``routing_method="sqrtsoftplus"`` (beside the seed's ``"softmax"``/``"sigmoid"``): DeepSeek-V4's
+  score ``sqrt(softplus(logits))``, routed as sigmoid is (selection bias, groups, weights divided by
+  their sum + 1e-20 unless ``normalize_sigmoid=False``);
 - ``lowering``: ``"auto"`` (by device), ``"cpu"``, ``"cuda"`` or ``"npu"``.
 """
 from __future__ import annotations

@@ -4,13 +4,14 @@ This is the reference semantics of the op's routing stage; every lowering (NPU g
 the fused CUDA routing kernel) is tested against it. It follows the NPU gating operators
 (``npu_moe_gating_top_k_softmax`` / ``npu_moe_gating_top_k``, notes §1.4 and §2.1-2.2):
 
-1. ``scores = softmax(logits)`` or ``sigmoid(logits)`` in fp32;
+1. ``scores = softmax(logits)``, ``sigmoid(logits)`` or ``sqrt(softplus(logits))`` (DeepSeek-V4,
+   an extension routed like sigmoid) in fp32;
 2. ``sel = scores + e_score_correction_bias`` (the bias only steers selection);
 3. grouped routing: view ``sel`` as ``[T, G, E/G]``, score each group by its max (mode 0) or the
    sum of its top-2 (mode 1), keep the best ``k_group`` groups, mask the rest to ``-inf``;
 4. ``topk_ids = topk(sel, k)``; ``topk_weights = scores[topk_ids]`` (unbiased);
-5. softmax: renormalise only when ``renormalize``; sigmoid: always ``w / (sum(w) + 1e-20)``
-   (unless the ``normalize_sigmoid=False`` extension is given);
+5. softmax: renormalise only when ``renormalize``; sigmoid (and sqrt-softplus): always
+   ``w / (sum(w) + 1e-20)`` (unless the ``normalize_sigmoid=False`` extension is given);
 6. ``w *= routed_scaling_factor``.
 
 Llama-4 style (``scoring_after_topk``): top-k on the raw logits, then the score function on the
@@ -43,6 +44,16 @@ def topk_lower_index_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
 def _score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
     if method is RoutingMethod.SOFTMAX:
         return torch.softmax(logits_f32, dim=-1)
+    return elementwise_score(logits_f32, method)
+
+
+def elementwise_score(logits_f32: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
+    """The per-expert score of the elementwise methods: ``sigmoid`` or ``sqrt(softplus)`` (torch's
+    softplus, beta 1 and threshold 20, spelled as ``where(x > 20, x, log1p(exp(min(x, 20))))``:
+    TorchAir has no GE converter for ``aten.softplus``, and this is the formula torch's kernel uses)."""
+    if method is RoutingMethod.SQRTSOFTPLUS:
+        soft = torch.log1p(torch.exp(torch.clamp(logits_f32, max=20.0)))
+        return torch.where(logits_f32 > 20.0, logits_f32, soft).sqrt()
     return torch.sigmoid(logits_f32)
 
 
@@ -89,7 +100,7 @@ def select_experts(
         if cfg.method is RoutingMethod.SOFTMAX:
             weights_TK = torch.softmax(picked_TK, dim=-1)
         else:
-            weights_TK = torch.sigmoid(picked_TK)
+            weights_TK = elementwise_score(picked_TK, cfg.method)
             if cfg.normalize_sigmoid:
                 weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + cfg.sigmoid_eps)
     else:
@@ -130,11 +141,11 @@ def route_per_token_reference(
             if cfg.method is RoutingMethod.SOFTMAX:
                 w = torch.softmax(picked, 0)
             else:
-                w = torch.sigmoid(picked)
+                w = _oracle_score(picked, cfg.method)
                 if cfg.normalize_sigmoid:
                     w = w / (w.sum() + cfg.sigmoid_eps)
         else:
-            scores = torch.softmax(t, 0) if cfg.method is RoutingMethod.SOFTMAX else torch.sigmoid(t)
+            scores = torch.softmax(t, 0) if cfg.method is RoutingMethod.SOFTMAX else _oracle_score(t, cfg.method)
             sel = (scores if bias is None else scores + bias).tolist()  # the fp32 sums, as the op adds them
             allowed = set(range(num_experts))
             if cfg.group_count > 1:
@@ -157,6 +168,13 @@ def route_per_token_reference(
         weights.append((w * cfg.routed_scaling_factor).tolist())
         ids.append(order)
     return torch.tensor(weights, dtype=torch.float32), torch.tensor(ids, dtype=torch.int32)
+
+
+def _oracle_score(t: torch.Tensor, method: RoutingMethod) -> torch.Tensor:
+    """The oracle's elementwise scores in fp32, through torch's own functions (``F.softplus``)."""
+    if method is RoutingMethod.SQRTSOFTPLUS:
+        return torch.sqrt(torch.nn.functional.softplus(t))
+    return torch.sigmoid(t)
 
 
 def check_router_inputs(hidden_states, weight, bias) -> None:

@@ -69,7 +69,7 @@ def describe_routing(cfg: RoutingConfig) -> str:
         text += "→topk"
     if cfg.method is RoutingMethod.SOFTMAX and cfg.renormalize and not cfg.scoring_after_topk:
         text += "→renorm"
-    if cfg.method is RoutingMethod.SIGMOID and cfg.normalize_sigmoid:
+    if cfg.method.elementwise and cfg.normalize_sigmoid:
         text += "→norm"
     if cfg.routed_scaling_factor != 1.0:
         text += "→×%g" % cfg.routed_scaling_factor

@@ -2,7 +2,7 @@
 
 Structure gives the anchors: the final ``aten.topk`` over ``[T, E]`` (or ``[B, S, E]``) scores, the router logits
 (the nearest matmul upstream of it with ``E`` outputs) and the block input (that matmul's
-activation operand). The configuration (softmax/sigmoid, selection bias, groups and their mode,
+activation operand). The configuration (softmax/sigmoid/sqrt-softplus, selection bias, groups and their mode,
 renormalisation, scaling, Llama-4 order) is then *identified by probing*: the captured router
 slice is evaluated on probe logits and compared with ``select_experts`` under candidate configs,
 ordered by what the structure suggests. This recognises every spelling of the same router
@@ -248,6 +248,8 @@ def hints(anchor: RouterAnchor, region: set[fx.Node], scalar=None) -> RouterHint
     sigmoid_first = aten.sigmoid.default in targets or aten.sigmoid.default in value_targets
     methods = ((RoutingMethod.SIGMOID, RoutingMethod.SOFTMAX) if sigmoid_first
                else (RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID))
+    if aten.softplus.default in targets | value_targets:  # DeepSeek-V4's sqrt(softplus) scores
+        methods = (RoutingMethod.SQRTSOFTPLUS,) + methods
     after = strip(anchor.topk.args[0]) is anchor.logits
     groups = _group_hints(anchor)
     scales = _scale_hints(region, scalar)
@@ -300,7 +302,7 @@ def candidate_configs(anchor: RouterAnchor, h: RouterHints) -> list[RoutingConfi
             h.methods, groups, renorms, h.scales, (True, False)):
         if method is RoutingMethod.SOFTMAX and not norm_sig:
             continue
-        if method is RoutingMethod.SIGMOID and renorm:
+        if method.elementwise and renorm:  # elementwise scores normalise through norm_sig
             continue
         after = h.scoring_after_topk and gc == 1
         cfg = replace(base, method=method, group_count=gc, k_group=kg, group_select_mode=mode,

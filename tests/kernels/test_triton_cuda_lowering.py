@@ -26,6 +26,8 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 DEEPSEEK = dict(num_experts=32, top_k=4, routing_method="sigmoid", renormalize=True, routed_scaling_factor=2.5,
                 k_group=2, group_count=4, group_select_mode=1)
+DEEPSEEK_V4 = dict(num_experts=32, top_k=4, routing_method="sqrtsoftplus", renormalize=False,
+                   routed_scaling_factor=1.5, k_group=1, group_count=1, group_select_mode=0)
 
 
 def _layer(tokens, hidden, inter, num_experts, device, dtype, seed=0):
@@ -61,12 +63,13 @@ def _cfg(spec, has_bias=True):
                        None, None, None, True, True, "auto")
 
 
-def test_cuda_lowering_matches_torch_stages_on_interpreter_or_gpu():
+@pytest.mark.parametrize("spec", [DEEPSEEK, DEEPSEEK_V4], ids=["deepseek_v3", "deepseek_v4"])
+def test_cuda_lowering_matches_torch_stages_on_interpreter_or_gpu(spec):
     device = "cuda" if CUDA else "cpu"
     dtype = torch.bfloat16 if CUDA else torch.float32
     x, logits, w13, w2, bias = _layer(40 if CUDA else 6, 64, 32, 32, device, dtype)
     inputs = MoEInputs(x, logits, ExpertWeights(w13, w2), bias)
-    cfg = _cfg(DEEPSEEK)
+    cfg = _cfg(spec)
     out = CudaLowering().run(inputs, cfg)
     ref = StagedLowering().run(MoEInputs(x.float(), logits, ExpertWeights(w13.float(), w2.float()), bias), cfg)
     assert out.shape == x.shape and out.dtype == dtype
@@ -93,16 +96,17 @@ def test_fallback_is_logged_and_counted(caplog, monkeypatch):
 
 
 @gpu
-def test_custom_op_dispatches_to_cuda_lowering_without_host_sync():
+@pytest.mark.parametrize("spec", [DEEPSEEK, DEEPSEEK_V4], ids=["deepseek_v3", "deepseek_v4"])
+def test_custom_op_dispatches_to_cuda_lowering_without_host_sync(spec):
     x, logits, w13, w2, bias = _layer(64, 256, 128, 32, "cuda", torch.bfloat16)
-    _op(x, logits, w13, w2, bias, DEEPSEEK)  # compile the kernels first
+    _op(x, logits, w13, w2, bias, spec)  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = _op(x, logits, w13, w2, bias, DEEPSEEK)
+        out = _op(x, logits, w13, w2, bias, spec)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    ref = _op(x.cpu().float(), logits.cpu(), w13.cpu().float(), w2.cpu().float(), bias.cpu(), DEEPSEEK)
+    ref = _op(x.cpu().float(), logits.cpu(), w13.cpu().float(), w2.cpu().float(), bias.cpu(), spec)
     assert _rel(out.cpu(), ref) < 2e-2
 
 

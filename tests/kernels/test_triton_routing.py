@@ -30,6 +30,10 @@ CASES = {
     "llama4_sigmoid": RoutingConfig(num_experts=16, top_k=1, method=RoutingMethod.SIGMOID,
                                     scoring_after_topk=True, normalize_sigmoid=False),
     "after_topk_softmax": RoutingConfig(num_experts=16, top_k=3, scoring_after_topk=True),
+    "deepseek_v4": RoutingConfig(num_experts=64, top_k=6, method=RoutingMethod.SQRTSOFTPLUS,
+                                 routed_scaling_factor=1.5, has_correction_bias=True),
+    "sqrtsoftplus_groups": RoutingConfig(num_experts=32, top_k=4, method=RoutingMethod.SQRTSOFTPLUS,
+                                         k_group=2, group_count=4, group_select_mode=1, normalize_sigmoid=False),
 }
 
 
@@ -57,6 +61,21 @@ def test_route_any_launch_matches_reference(name, launch):
     bias = (torch.randn(cfg.num_experts, generator=gen) * 0.1).to(DEV) if cfg.has_correction_bias else None
     weights, ids = route(logits, cfg, bias, launch=launch)
     ref_w, ref_ids = route_reference(logits, cfg, bias)
+    assert torch.equal(ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [30.0, 60.0])
+def test_sqrtsoftplus_far_from_zero(scale):
+    """Logits of +-100: above torch's softplus threshold (20) the score is sqrt(x); far below it
+    softplus is exp(x), below fp32's 1 + u rounding, and the picks must still follow its order."""
+    cfg = CASES["deepseek_v4"]
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(9, cfg.num_experts, generator=gen) * scale).to(DEV)
+    logits[0] = -torch.arange(cfg.num_experts, dtype=torch.float32, device=DEV) - 30.0  # all scores < 1e-6
+    weights, ids = route(logits, cfg)
+    ref_w, ref_ids = route_reference(logits, cfg)
+    assert ids[0].cpu().tolist() == list(range(cfg.top_k))
     assert torch.equal(ids.cpu(), ref_ids.cpu())
     torch.testing.assert_close(weights.cpu(), ref_w.cpu(), rtol=1e-5, atol=1e-6)
 

@@ -40,6 +40,8 @@ CONFIGS = {
     "sigmoid_unnormalised_groups": dict(routing_method="sigmoid", normalize_sigmoid=False, group_count=4,
                                         k_group=2, bias_E=True),
     "groups_too_small_fallback": dict(group_count=8, k_group=4),
+    "deepseek_v4_sqrtsoftplus_fallback": dict(routing_method="sqrtsoftplus", bias_E=True, routed_scaling_factor=1.5,
+                                              activation="silu_clamped"),
     "llama4": dict(routing_method="sigmoid", scoring_after_topk=True, normalize_sigmoid=False,
                    apply_router_weight_on_input=True, top_k=1),
     "gptoss_swigluoai_bias": dict(activation="swigluoai", gate_up_interleaved=True, biases=True, renormalize=True),

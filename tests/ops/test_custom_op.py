@@ -184,7 +184,7 @@ RAW_CASES = [  # (id, changes, message): the raw op used to run most of these si
     ("intermediate_zero", dict(w13_weight=torch.randn(8, 16, 0), w2_weight=torch.randn(8, 0, 16)),
      r"intermediate_size \(w2_weight\.shape\[1\]\) must be >= 1"),
     ("routing_method_relu", dict(routing_method="relu"),
-     r"routing_method must be one of \['softmax', 'sigmoid'\], but got 'relu'"),
+     r"routing_method must be one of \['softmax', 'sigmoid', 'sqrtsoftplus'\], but got 'relu'"),
     ("scaling_nan", dict(routed_scaling_factor=float("nan")), r"routed_scaling_factor must be a finite float.*nan"),
     ("activation_unknown", dict(activation="tanh"), r"activation must be one of .*'tanh'"),
 ]

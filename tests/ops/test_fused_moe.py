@@ -41,6 +41,10 @@ ROUTING_MODES = {
     "deepseek_v3_grouped_sigmoid_bias_scaled": dict(
         top_k=4, routing_method="sigmoid", group_count=4, k_group=2, group_select_mode=1,
         e_score_correction_bias=_bias8, routed_scaling_factor=2.5),
+    "deepseek_v4_sqrtsoftplus_bias_scaled": dict(top_k=3, routing_method="sqrtsoftplus",
+                                                 e_score_correction_bias=_bias8, routed_scaling_factor=1.5),
+    "sqrtsoftplus_unnormalized_grouped": dict(top_k=2, routing_method="sqrtsoftplus", normalize_sigmoid=False,
+                                              group_count=4, k_group=2, group_select_mode=1),
     "scoring_after_topk_softmax": dict(top_k=2, scoring_after_topk=True),
     "llama4_top1_sigmoid_on_input": dict(top_k=1, routing_method="sigmoid", scoring_after_topk=True,
                                          normalize_sigmoid=False, apply_router_weight_on_input=True),
@@ -209,7 +213,7 @@ def configs(draw):
     per_group = experts // group_count
     k_group = draw(st.integers(1, group_count))
     top_k = draw(st.integers(1, k_group * per_group))
-    method = draw(st.sampled_from(["softmax", "sigmoid"]))
+    method = draw(st.sampled_from(["softmax", "sigmoid", "sqrtsoftplus"]))
     custom = draw(st.integers(0, 9)) == 0
     scoring_after_topk = not custom and group_count == 1 and draw(st.booleans())
     kwargs = dict(

@@ -5,6 +5,8 @@ by the sum of their top two.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import route_per_token_reference, select_experts
 
-SOFTMAX, SIGMOID = RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID
+SOFTMAX, SIGMOID, SQRTSOFTPLUS = RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID, RoutingMethod.SQRTSOFTPLUS
 
 
 def _cfg(**kw):
@@ -34,11 +36,16 @@ MODES = {
                                   routed_scaling_factor=0.5),
     "scoring_after_topk_softmax": _cfg(top_k=3, scoring_after_topk=True),
     "scoring_after_topk_sigmoid": _cfg(top_k=1, method=SIGMOID, scoring_after_topk=True, normalize_sigmoid=False),
+    "sqrtsoftplus": _cfg(top_k=3, method=SQRTSOFTPLUS),
+    "sqrtsoftplus_unnormalized": _cfg(method=SQRTSOFTPLUS, normalize_sigmoid=False),
+    "sqrtsoftplus_groups": _cfg(top_k=3, method=SQRTSOFTPLUS, group_count=4, k_group=2, group_select_mode=1),
+    "scoring_after_topk_sqrtsoftplus": _cfg(top_k=2, method=SQRTSOFTPLUS, scoring_after_topk=True),
 }
 BIAS_MODES = {
     "softmax_bias": _cfg(has_correction_bias=True),
     "deepseek_v3": _cfg(top_k=4, method=SIGMOID, group_count=4, k_group=2, group_select_mode=1,
                         routed_scaling_factor=2.5, has_correction_bias=True),
+    "deepseek_v4": _cfg(top_k=4, method=SQRTSOFTPLUS, routed_scaling_factor=1.5, has_correction_bias=True),
 }
 
 
@@ -120,6 +127,21 @@ def test_sigmoid_weights_normalised_and_scaled():
     torch.testing.assert_close(w_un, raw)
 
 
+def test_sqrtsoftplus_hand_worked():
+    """DeepSeek-V4: scores sqrt(log(1 + e^x)), the bias picks, the unbiased scores / (sum + 1e-20), x scale."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, -2.0, 3.0])
+    w, ids = select_experts(logits, _cfg(num_experts=4, top_k=2, method=SQRTSOFTPLUS, routed_scaling_factor=2.0,
+                                         has_correction_bias=True), bias)
+    assert ids.tolist() == [[3, 1]]
+    s3, s1 = math.sqrt(math.log1p(math.exp(-1.0))), math.sqrt(math.log1p(math.exp(1.0)))
+    torch.testing.assert_close(w, torch.tensor([[s3, s1]]) / (s3 + s1) * 2.0)
+    # above torch's threshold (20) softplus is x itself
+    w, _ = select_experts(torch.tensor([[25.0, 100.0]]), _cfg(num_experts=2, top_k=1, method=SQRTSOFTPLUS,
+                                                               normalize_sigmoid=False))
+    torch.testing.assert_close(w, torch.tensor([[10.0]]))
+
+
 def test_softmax_weights_not_renormalised_by_default():
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(5))
     w, ids = select_experts(logits, _cfg(top_k=2))
@@ -153,7 +175,7 @@ def routing_cases(draw):
     after = group_count == 1 and draw(st.booleans())
     cfg = RoutingConfig(
         num_experts=experts, top_k=draw(st.integers(1, k_group * per_group)),
-        method=draw(st.sampled_from([SOFTMAX, SIGMOID])), renormalize=draw(st.booleans()),
+        method=draw(st.sampled_from([SOFTMAX, SIGMOID, SQRTSOFTPLUS])), renormalize=draw(st.booleans()),
         routed_scaling_factor=draw(st.sampled_from([1.0, 0.5, 2.5])), k_group=k_group, group_count=group_count,
         group_select_mode=draw(st.sampled_from([0, 1] if per_group >= 2 else [0])),
         normalize_sigmoid=draw(st.booleans()), scoring_after_topk=after,

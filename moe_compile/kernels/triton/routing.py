@@ -2,7 +2,7 @@
 
 One program routes ``BLOCK_T`` tokens. Each token's ``E`` logits are held as a ``[G, S]`` tile
 (``G`` expert groups of ``S`` experts; ``G = 1`` when not grouped), so the whole routing stays in
-registers: score (softmax or sigmoid) -> + selection bias -> group mask (mode 0: group max,
+registers: score (softmax, sigmoid or sqrt-softplus) -> + selection bias -> group mask (mode 0: group max,
 mode 1: sum of the group's top 2) -> top-k by repeated arg-max (ties to the lower expert index,
 like the reference) -> gather the unbiased scores -> renormalise -> scale.
 
@@ -21,6 +21,7 @@ from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts as route_reference
 
+_SCORE = {RoutingMethod.SOFTMAX: 0, RoutingMethod.SIGMOID: 1, RoutingMethod.SQRTSOFTPLUS: 2}
 # Registers per program: BLOCK_T * G_PAD * S_PAD fp32 values in a few live copies.
 _TILE_ELEMS = 2048
 
@@ -32,6 +33,22 @@ def _argmax_lowest(vals, flat_idx, BIG: tl.constexpr):
     cand = tl.where(vals == best[:, None, None], flat_idx, BIG)
     idx = tl.min(tl.min(cand, axis=2), axis=1)
     return best, idx
+
+
+@triton.jit
+def _elementwise_score(x, SCORE: tl.constexpr):
+    """sigmoid (SCORE 1) or sqrt(softplus) (SCORE 2, torch's threshold: x itself above 20). log1p(u) is
+    log(1 + u) * u / ((1 + u) - 1), exact to a few ulp where 1 + u rounds (Goldberg), so scores of
+    very negative logits keep their order instead of all rounding to 0."""
+    if SCORE == 2:
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        rounds = w == 1.0
+        log1p = tl.where(rounds, u, tl.log(w) * (u / tl.where(rounds, 1.0, w - 1.0)))
+        out = tl.sqrt_rn(tl.where(x > 20.0, x, log1p))
+    else:
+        out = 1.0 / (1.0 + tl.exp(-x))
+    return out
 
 
 @triton.jit
@@ -63,7 +80,7 @@ def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr,
     T, G, S, stride_lt, scaling, eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, K_GROUP: tl.constexpr, GROUP_MODE: tl.constexpr,
-    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, AFTER_TOPK: tl.constexpr,
+    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, AFTER_TOPK: tl.constexpr,
     BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -81,8 +98,8 @@ def _route_kernel(
         scores = x
         sel = x
     else:
-        if SIGMOID:
-            scores = 1.0 / (1.0 + tl.exp(-x))
+        if SCORE != 0:
+            scores = _elementwise_score(x, SCORE)
         else:
             row_max = tl.max(tl.max(x, axis=2), axis=1)
             row_max = tl.where(tmask, row_max, 0.0)  # padded tokens: no -inf - -inf
@@ -107,8 +124,8 @@ def _route_kernel(
         sel = tl.where(hit, neg_inf, sel)
     kmask = kcol < TOP_K
     if AFTER_TOPK:
-        if SIGMOID:
-            w_tk = 1.0 / (1.0 + tl.exp(-w_tk))
+        if SCORE != 0:
+            w_tk = _elementwise_score(w_tk, SCORE)
             if RENORM:
                 w_tk = tl.where(kmask, w_tk, 0.0)
                 w_tk = w_tk / (tl.sum(w_tk, axis=1)[:, None] + eps)
@@ -182,7 +199,7 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
     ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
-    sigmoid = cfg.method is RoutingMethod.SIGMOID
+    sigmoid = cfg.method.elementwise  # sigmoid or sqrt-softplus
     renorm = cfg.normalize_sigmoid if sigmoid else cfg.renormalize
     # softmax renormalisation divides by the plain sum (no eps), as the reference does
     eps = cfg.sigmoid_eps if sigmoid else 0.0
@@ -193,7 +210,7 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
         router_logits, bias if has_bias else weights, weights, ids,
         num_tokens, groups, per_group, router_logits.stride(0), float(cfg.routed_scaling_factor), float(eps),
         TOP_K=cfg.top_k, K_PAD=_pow2(cfg.top_k), K_GROUP=cfg.k_group if cfg.grouped else 0,
-        GROUP_MODE=cfg.group_select_mode, SIGMOID=sigmoid, HAS_BIAS=has_bias, RENORM=renorm,
+        GROUP_MODE=cfg.group_select_mode, SCORE=_SCORE[cfg.method], HAS_BIAS=has_bias, RENORM=renorm,
         AFTER_TOPK=cfg.scoring_after_topk, BLOCK_T=block_t, G_PAD=g_pad, S_PAD=s_pad,
         num_warps=num_warps, **pdl_launch(router_logits.device),
     )
