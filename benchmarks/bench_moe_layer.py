@@ -65,6 +65,14 @@ SHAPES = {
         routing_method="sigmoid", renormalize=True, routed_scaling_factor=2.5, k_group=4, group_count=8,
         group_select_mode=1)),
 }
+# beyond the issue's three (not run by default): DeepSeek-V4's routed experts, sqrt(softplus) routing and the
+# clamped SwiGLU (transformers' DeepseekV4Config defaults: E = 256, top-6, H = 4096, I = 2048, limit 10)
+EXTRA_SHAPES = {
+    "deepseek_v4": Shape("deepseek_v4", 256, 6, 4096, 2048, dict(
+        routing_method="sqrtsoftplus", renormalize=False, routed_scaling_factor=1.5, activation="silu_clamped",
+        swiglu_limit=10.0)),
+}
+ALL_SHAPES = {**SHAPES, **EXTRA_SHAPES}
 
 
 def build_hf_block(shape: Shape):
@@ -79,6 +87,15 @@ def build_hf_block(shape: Shape):
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
         cfg = Qwen3MoeConfig(hidden_size=shape.hidden, moe_intermediate_size=shape.inter,
                              num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, norm_topk_prob=True)
+    elif shape.name == "deepseek_v4":
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+        cfg = DeepseekV4Config(hidden_size=shape.hidden, moe_intermediate_size=shape.inter,
+                               n_routed_experts=shape.num_experts, num_experts_per_tok=shape.top_k,
+                               routed_scaling_factor=shape.routing["routed_scaling_factor"],
+                               swiglu_limit=shape.routing["swiglu_limit"], mlp_layer_types=["moe"], num_hidden_layers=1)
+        Block = lambda c: DeepseekV4SparseMoeBlock(c, layer_idx=0)  # noqa: E731
     else:
         from transformers import DeepseekV3Config
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
@@ -118,7 +135,7 @@ def expert_views(block, shape: Shape):
 
 def hf_routed(block, shape: Shape):
     """The block's forward minus DeepSeek's shared experts (gate + experts), flattened tokens."""
-    if shape.name != "deepseek_v3":
+    if shape.name not in ("deepseek_v3", "deepseek_v4"):
         return lambda x: block(x.unsqueeze(0)).squeeze(0)
 
     def routed(x):
@@ -262,7 +279,7 @@ def run_shape(shape: Shape, ms, with_hf: bool, reps: int, dense: bool = True, cl
             row["dense_ratio"] = row["dense_us"] / row["bound_us"]
         if "hf_us" in row:
             row["hf_ratio"] = row["hf_us"] / row["bound_us"]
-        if idx is not None:
+        if idx is not None and shape.name in VLLM_TRITON:
             row["vllm_ratio_issue"] = VLLM_TRITON[shape.name][idx]
             row["hf_ratio_issue"] = HF_ISSUE[shape.name][idx]
         row["target"] = 1.25 if m <= 256 else 1.35
@@ -292,7 +309,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = sorted({r["shape"] for r in rows}, key=list(SHAPES).index)
+    names = sorted({r["shape"] for r in rows}, key=list(ALL_SHAPES).index)
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         rs = [r for r in rows if r["shape"] == name]
@@ -319,7 +336,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES),
+                        help="default: the issue's three; deepseek_v4 (sqrt-softplus routing, clamped SwiGLU) on request")
+    parser.add_argument("--name", default="moe_layer", help="stem of the JSON and PNG files written under --out")
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
     parser.add_argument("--no-hf", action="store_true", help="skip the HF/inductor column")
     parser.add_argument("--no-dense", action="store_true", help="skip the cuBLAS dense-GEMM column")
@@ -347,14 +366,14 @@ def main(argv=None) -> int:
         if not clock.available:
             print("no MHz column: nvidia-smi is not on PATH, so the SM clock is not sampled", flush=True)
         for name in args.shapes:
-            rows += run_shape(SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense, clock)
-            with open(out / "moe_layer.json", "w") as f:  # after each shape, so a cut-short run keeps its rows
+            rows += run_shape(ALL_SHAPES[name], args.ms, not args.no_hf, args.reps, not args.no_dense, clock)
+            with open(out / f"{args.name}.json", "w") as f:  # after each shape, so a cut-short run keeps its rows
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n" + HEADER)
     for r in rows:
         print(format_row(r))
     try:
-        plot(rows, out / "moe_layer.png")
+        plot(rows, out / f"{args.name}.png")
     except ImportError as exc:
         print("no plot:", exc)
     return 0
