@@ -248,7 +248,8 @@ def hints(anchor: RouterAnchor, region: set[fx.Node], scalar=None) -> RouterHint
     sigmoid_first = aten.sigmoid.default in targets or aten.sigmoid.default in value_targets
     methods = ((RoutingMethod.SIGMOID, RoutingMethod.SOFTMAX) if sigmoid_first
                else (RoutingMethod.SOFTMAX, RoutingMethod.SIGMOID))
-    if aten.softplus.default in targets | value_targets:  # DeepSeek-V4's sqrt(softplus) scores
+    # DeepSeek-V4's sqrt(softplus) scores; Inductor's decompositions write softplus as where(x > 20, x, log1p(exp(x)))
+    if {aten.softplus.default, aten.log1p.default} & (targets | value_targets):
         methods = (RoutingMethod.SQRTSOFTPLUS,) + methods
     after = strip(anchor.topk.args[0]) is anchor.logits
     groups = _group_hints(anchor)

@@ -38,9 +38,10 @@ def _mixed_model(dtype=torch.float32):
     return model.eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_topk_layers_are_rewritten_with_the_sqrtsoftplus_router(dtype):
+def test_topk_layers_are_rewritten_with_the_sqrtsoftplus_router():
+    """bf16 (test_hf_families.py checks fp32)."""
     _require()
+    dtype = torch.bfloat16
     model, kwargs = zoo.build_model("deepseek_v4", dtype=dtype)
     biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
     assert biases and all(b.abs().sum() > 0 for b in biases)  # the selection bias is exercised
@@ -62,12 +63,14 @@ def test_a_hash_layer_is_left_alone_and_the_topk_layer_rewritten():
     assert [path for path, _ in report.skipped] == ["model.layers.0.mlp"], str(report)
 
 
-def test_dynamic_token_counts_compile_once_and_match_eager():
+def test_dynamic_token_counts_under_inductor_match_eager():
+    """Under Inductor the pass sees softplus decomposed (where(x > 20, x, log1p(exp(x)))): found on the H200
+    (check_zoo.py --inner inductor left both blocks alone) before the router hints looked for log1p."""
     _require()
     model, _ = zoo.build_model("deepseek_v4")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "aot_eager"})
+    compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "inductor"})
     with torch.no_grad():
         for tokens in (3, 11, 6):
             kwargs = zoo.build_inputs("deepseek_v4", num_tokens=tokens, seed=tokens)
