@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from bench_moe_layer import (  # noqa: E402
-    ROTATE, SHAPES, _event_time, bound_us, build_hf_block, capture_graph, cuda_or_say, our_layer, point,
+    ROTATE, ALL_SHAPES, _event_time, bound_us, build_hf_block, capture_graph, cuda_or_say, our_layer, point,
     write_json,
 )
 
@@ -120,7 +120,7 @@ def apply_rows(rows: list[dict], config_dir: Path, device: str) -> list[str]:
         if not ok:
             said.append(f"{where}: kept ({why})")
             continue
-        path, table = tuned_table(SHAPES[row["shape"]], config_dir, device)
+        path, table = tuned_table(ALL_SHAPES[row["shape"]], config_dir, device)
         if str(row["M"]) not in table:
             said.append(f"{where}: kept (not a tuned point of {path.name})")
             continue
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     for flag, specs in (("--a-set", args.a_set), ("--b-set", args.b_set)):
         for spec in specs:
             try:
-                parse_override(spec, SHAPES)
+                parse_override(spec, ALL_SHAPES)
             except ValueError as exc:
                 parser.error(f"{flag}: {exc}")
     if not cuda_or_say("ab_layer"):
@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     for side, specs in (("A", args.a_set), ("B", args.b_set)):
         if specs:
             out_dir = Path(tempfile.mkdtemp(prefix=f"ab_layer_{side}_"))
-            for line in write_overrides(specs, SHAPES, dirs[side], out_dir, configs.device_key(torch.device("cuda"))):
+            device_key = configs.device_key(torch.device("cuda"))
+            for line in write_overrides(specs, ALL_SHAPES, dirs[side], out_dir, device_key):
                 print(f"side {side}: {line}", flush=True)
             dirs[side] = str(out_dir)
     if args.control:
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
     for name, m in args.points:
         by_shape.setdefault(name, []).append(m)
     for name, ms in by_shape.items():
-        shape = SHAPES[name]
+        shape = ALL_SHAPES[name]
         block = build_hf_block(shape)
         for m in ms:
             row = ab_point(block, shape, m, dirs, args.rounds, args.reps)

@@ -172,8 +172,8 @@ def our_layer(block, shape: Shape, router: str = "ours"):
 def point(text: str) -> tuple[str, int]:
     """The ``shape:M`` points of the GEMM benchmarks (an argparse ``type``): ``("qwen3", 2048)``."""
     name, _, m = text.partition(":")
-    if name not in SHAPES or not m.isdigit() or int(m) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not shape:M with shape one of {sorted(SHAPES)} and M >= 1")
+    if name not in ALL_SHAPES or not m.isdigit() or int(m) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not shape:M with shape one of {sorted(ALL_SHAPES)} and M >= 1")
     return name, int(m)
 
 
@@ -337,7 +337,8 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(ALL_SHAPES),
-                        help="default: the issue's three; deepseek_v4 (sqrt-softplus routing, clamped SwiGLU) on request")
+                        help="default: the issue's three; deepseek_v4 (sqrt-softplus routing, clamped SwiGLU) "
+                             "on request")
     parser.add_argument("--name", default="moe_layer", help="stem of the JSON and PNG files written under --out")
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS))
     parser.add_argument("--no-hf", action="store_true", help="skip the HF/inductor column")

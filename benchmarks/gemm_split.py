@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ALL_SHAPES, graph_time_us, point, write_json  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.cuda import wgmma  # noqa: E402
@@ -84,7 +84,7 @@ def stage_inputs(shape, m: int, calls) -> list[dict]:
 
 
 def split(name: str, m: int, reps: int) -> dict:
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     weights = hf_layout_weights(shape)
     calls = problem(shape, m, weights)
     plan = plan_for(calls[0][0], shape.top_k, weights)

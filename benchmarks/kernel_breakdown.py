@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, SHAPES, capture_graph, point  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ROTATE, ALL_SHAPES, capture_graph, point  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
@@ -61,7 +61,7 @@ def idle_gaps(intervals) -> tuple[float, float, list[tuple[float, str, str]]]:
 
 
 def breakdown(name: str, m: int, reps: int = 5, layer: bool = False, timeline: bool = False) -> None:
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     if layer:  # the whole layer as bench_moe_layer times it: router linear + fused_moe
         from bench_moe_layer import build_hf_block, our_layer
 

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ALL_SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem  # noqa: E402
 
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if not cuda_or_say("probe_balanced"):
         return 2
     name, m = args.point
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     weights = hf_layout_weights(shape)
     calls = problem(shape, m, weights)
     plan = plan_for(calls[0][0], shape.top_k, weights)

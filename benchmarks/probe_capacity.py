@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from bench_moe_layer import (  # noqa: E402
-    BF16_FLOP_PER_S, ROTATE, SHAPES, _event_time, capture_graph, cuda_or_say, point,
+    BF16_FLOP_PER_S, ROTATE, ALL_SHAPES, _event_time, capture_graph, cuda_or_say, point,
 )
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
@@ -70,7 +70,7 @@ def rest_problem(counts: torch.Tensor, cap: int, top_k: int, hidden: int):
 
 
 def probe(name: str, m: int, fracs, reps: int, rounds: int, sync_each: bool = False) -> None:
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     e, k, h, i = shape.num_experts, shape.top_k, shape.hidden, shape.inter
     weights = hf_layout_weights(shape)
     calls = problem(shape, m, weights)

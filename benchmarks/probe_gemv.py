@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import ROTATE, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import ROTATE, ALL_SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 
 from moe_compile.kernels.triton.configs import CONFIG_DIR, ExpertsPath, Plan, config_file_name, device_key  # noqa: E402
 from moe_compile.kernels.triton.experts import fused_experts, plan_for  # noqa: E402
@@ -61,7 +61,7 @@ def routings(shape, m: int, gen):
 def decode_problem(name: str, m: int):
     """``(shape, weights, calls, experts config, tuned plan)`` of the decode point ``name:M``:
     random HF-layout weights and ``ROTATE`` routings, drawn from a generator seeded with ``M``."""
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(m)
     weights = hf_weights(shape, gen)
     calls = routings(shape, m, gen)
@@ -125,7 +125,7 @@ def apply(rows: list[dict]) -> None:
 def write_entry(name: str, m: int, entry: dict, label: str) -> None:
     """``entry`` (a plan's dict with ``us`` and ``_from``) at ``M`` in shape ``name``'s tuned file
     for this GPU (the file must exist: the probes change tuned shapes only)."""
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     path = CONFIG_DIR / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
                                          device_key(torch.device("cuda")))
     table = json.loads(path.read_text())

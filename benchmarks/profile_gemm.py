@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import SHAPES, point  # noqa: E402
+from bench_moe_layer import ALL_SHAPES, point  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import hf_layout_weights, problem  # noqa: E402
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--gemm", type=int, default=1, choices=(1, 2))
     args = parser.parse_args(argv)
     for name, m in args.points:
-        shape = SHAPES[name]
+        shape = ALL_SHAPES[name]
         weights = hf_layout_weights(shape)
         calls = problem(shape, m, weights)
         plan = plan_for(calls[0][0], shape.top_k, weights)

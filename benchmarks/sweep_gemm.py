@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ALL_SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem, write_table  # noqa: E402
 
@@ -113,7 +113,7 @@ def variant(cfg, v):
 
 
 def sweep(name: str, m: int, reps: int, deadline: float, kind: str) -> dict:
-    shape = SHAPES[name]
+    shape = ALL_SHAPES[name]
     weights = hf_layout_weights(shape)
     calls = problem(shape, m, weights)
     plan = plan_for(calls[0][0], shape.top_k, weights)
@@ -199,7 +199,7 @@ def apply_best(rows: list[dict], config_dir: Path = CONFIG_DIR) -> list[str]:
     by ``MIN_GAIN``; returns what changed."""
     changed = []
     for row in rows:
-        shape = SHAPES[row["shape"]]
+        shape = ALL_SHAPES[row["shape"]]
         path = config_dir / config_file_name(shape.num_experts, shape.hidden, shape.inter, torch.bfloat16,
                                              "NVIDIA_H200")
         table = json.loads(path.read_text())
