@@ -74,7 +74,7 @@ def test_plan_overrides_write_a_changed_copy(tmp_path):
     (base / "other.json").write_text("{}")
     out = tmp_path / "out"
     said = po.write_overrides(["deepseek_v3:8192:gemm1.expert_order=1,gemm1.group_m=1024,pre_gather=1"],
-                              ab_layer.SHAPES, str(base), out, "NVIDIA_H200")
+                              ab_layer.ALL_SHAPES, str(base), out, "NVIDIA_H200")
     name = configs.config_file_name(256, 7168, 2048, torch.bfloat16, "NVIDIA_H200")
     shipped = json.loads((configs.CONFIG_DIR / name).read_text())
     mine = json.loads((out / name).read_text())
@@ -99,14 +99,14 @@ def test_bad_plan_overrides_say_what_is_wrong(spec, match):
     import plan_override as po
 
     with pytest.raises(ValueError, match=match):
-        po.parse_override(spec, ab_layer.SHAPES)
+        po.parse_override(spec, ab_layer.ALL_SHAPES)
 
 
 def test_override_of_an_untuned_point_is_refused(tmp_path, capsys):
     import plan_override as po
 
     with pytest.raises(ValueError, match="has no plan for M=3"):
-        po.write_overrides(["qwen3:3:gemm1.block_m=64"], ab_layer.SHAPES, None, tmp_path, "NVIDIA_H200")
+        po.write_overrides(["qwen3:3:gemm1.block_m=64"], ab_layer.ALL_SHAPES, None, tmp_path, "NVIDIA_H200")
     with pytest.raises(SystemExit):
         ab_layer.main(["--points", "qwen3:8", "--b-set", "qwen3:8:gemm9.x=1"])
     assert "--b-set: plan override" in capsys.readouterr().err
