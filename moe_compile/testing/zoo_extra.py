@@ -34,6 +34,18 @@ def _r4(name, config_class, model_class, block, *, shared=SharedExperts.UNGATED,
     return _fam(name, config_class, model_class, block, RouterKind.R4, _R4, kw, shared=shared, per_layer=per_layer)
 
 
+def _v4(name, mlp_layer_type, **extra):
+    """DeepSeek-V4 with every layer of one MLP type: top-k routed ("moe") or hash routed ("hash_moe")."""
+    return FamilySpec(
+        name=name, model_type="deepseek_v4", config_class="DeepseekV4Config", model_class="DeepseekV4ForCausalLM",
+        config_kwargs=tiny(_MOE, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, layer_types=None,
+                           mlp_layer_types=[mlp_layer_type], sliding_window=16),
+        block_classes=("DeepseekV4SparseMoeBlock",), num_moe_layers=2, experts_impls=DECORATED,
+        router_kind=RouterKind.R7, activation="silu_clamped", shared_experts=SharedExperts.UNGATED, capture=_GM,
+        per_layer_keys=("mlp_layer_types",), **extra,
+    )
+
+
 EXTRA_FAMILIES = (
     FamilySpec(
         name="nemotron_h", model_type="nemotron_h", config_class="NemotronHConfig", model_class="NemotronHForCausalLM",
@@ -45,31 +57,12 @@ EXTRA_FAMILIES = (
         capture=_GM, per_layer_keys=("layers_block_type",),
         notes="non-gated experts: up_proj [E,I,H] + down_proj, relu^2; hybrid mamba/attention/moe layers",
     ),
-    FamilySpec(
-        name="deepseek_v4", model_type="deepseek_v4", config_class="DeepseekV4Config",
-        model_class="DeepseekV4ForCausalLM",
-        config_kwargs=tiny(_MOE, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
-                           layer_types=None, mlp_layer_types=["moe"], sliding_window=16),
-        block_classes=("DeepseekV4SparseMoeBlock",), num_moe_layers=2, experts_impls=DECORATED,
-        router_kind=RouterKind.R7,
-        router="linear -> sqrt(softplus) -> topk(+bias) -> gather -> /(sum+1e-20) -> x scale",
-        activation="silu_clamped", shared_experts=SharedExperts.UNGATED, capture=_GM,
-        per_layer_keys=("mlp_layer_types",),
-        notes="routing_method='sqrtsoftplus'; experts silu(clamp(g, max=L)) * clamp(u, -L, L)",
-    ),
-    FamilySpec(
-        name="deepseek_v4_hash", model_type="deepseek_v4", config_class="DeepseekV4Config",
-        model_class="DeepseekV4ForCausalLM",
-        config_kwargs=tiny(_MOE, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
-                           layer_types=None, mlp_layer_types=["hash_moe"], sliding_window=16),
-        block_classes=("DeepseekV4SparseMoeBlock",), num_moe_layers=2, experts_impls=DECORATED,
-        router_kind=RouterKind.R7,
+    _v4("deepseek_v4", "moe", router="linear -> sqrt(softplus) -> topk(+bias) -> gather -> /(sum+1e-20) -> x scale",
+        notes="routing_method='sqrtsoftplus'; experts silu(clamp(g, max=L)) * clamp(u, -L, L)"),
+    _v4("deepseek_v4_hash", "hash_moe",
         router="hash layers: ids = tid2eid[input_ids]; weights sqrt(softplus(logits)) at those ids, /(sum+1e-20)",
-        activation="silu_clamped", shared_experts=SharedExperts.UNGATED, expressible=False,
-        skip_reason="hash routing: the expert ids come from input_ids through a lookup table (no top-k over "
-                    "router scores)",
-        capture=_GM, per_layer_keys=("mlp_layer_types",),
-    ),
+        expressible=False, skip_reason="hash routing: the expert ids come from input_ids through a lookup table "
+                                       "(no top-k over router scores)"),
     _fam("minimax_m2", "MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMaxM2SparseMoeBlock", RouterKind.R3,
          "linear -> float sigmoid -> topk(scores + e_score_correction_bias) -> gather -> /= sum (no eps, no scale)",
          tiny(_MOE, intermediate_size=32, num_local_experts=8)),
