@@ -76,6 +76,9 @@ def _routing_checks(s: Setup, gen: torch.Generator) -> list[Check]:
              "grouped sigmoid + bias x2.5": (RoutingConfig(
                  num_experts=s.experts, top_k=s.top_k, method=RoutingMethod.SIGMOID, renormalize=True,
                  routed_scaling_factor=2.5, group_count=4, k_group=2, group_select_mode=1,
+                 has_correction_bias=True), bias),
+             "sqrt-softplus + bias x1.5": (RoutingConfig(
+                 num_experts=s.experts, top_k=s.top_k, method=RoutingMethod.SQRTSOFTPLUS, routed_scaling_factor=1.5,
                  has_correction_bias=True), bias)}
     out = []
     for case, (cfg, b) in cases.items():

@@ -26,6 +26,7 @@ def test_all_checks_pass():
     assert all(c.ok for c in checks), table
     names = {c.name for c in checks}
     assert {"routing", "align", "experts", "batched experts", "CUDA graph"} <= names, table
+    assert ("routing", "sqrt-softplus + bias x1.5") in {(c.name, c.case) for c in checks}, table
 
 
 @needs_interpreter
