@@ -67,14 +67,14 @@ def test_dynamic_token_counts_under_inductor_match_eager():
     """Under Inductor the pass sees softplus decomposed (where(x > 20, x, log1p(exp(x)))): found on the H200
     (check_zoo.py --inner inductor left both blocks alone) before the router hints looked for log1p."""
     _require()
-    model, _ = zoo.build_model("deepseek_v4")
+    model, _ = zoo.build_model("deepseek_v4", num_layers=1)  # one layer: half the Inductor compile time
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "inductor"})
     with torch.no_grad():
-        for tokens in (3, 11, 6):
+        for tokens in (3, 11):
             kwargs = zoo.build_inputs("deepseek_v4", num_tokens=tokens, seed=tokens)
             diff = max_rel_diff(first_tensor(compiled(**kwargs)), first_tensor(model(**kwargs)))
             assert diff <= TOL[torch.float32], (tokens, diff)
-    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 2
+    assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
     assert torch._dynamo.utils.counters["moe_compile"]["skipped"] == 0
