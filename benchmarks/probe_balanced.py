@@ -24,7 +24,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
-from bench_moe_layer import BF16_FLOP_PER_S, HBM_BYTES_PER_S, ALL_SHAPES, cuda_or_say, graph_time_us, point, write_json  # noqa: E402
+from bench_moe_layer import (  # noqa: E402
+    BF16_FLOP_PER_S, HBM_BYTES_PER_S, ALL_SHAPES,
+    cuda_or_say, graph_time_us, point, write_json,
+)
 from gemm_split import stage_inputs  # noqa: E402
 from tune_triton import MAX_REL_ERR, hf_layout_weights, problem  # noqa: E402
 

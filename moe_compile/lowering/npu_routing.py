@@ -55,8 +55,8 @@ def plan_gating(cfg: RoutingConfig, has_bias: bool) -> GatingPlan:
         return GatingPlan(GatingOp.TORCH, "scoring_after_topk (Llama-4) selects on raw logits; the NPU gating "
                                           "ops select on softmax/sigmoid scores")
     if cfg.method is RoutingMethod.SQRTSOFTPLUS:
-        return GatingPlan(GatingOp.TORCH, "npu_moe_gating_top_k's norm_type 2 (sqrt(softplus), DeepSeek-V4) is in newer "
-                                          "CANN only; torch_npu 2.14 documents norm_type 0 and 1")
+        return GatingPlan(GatingOp.TORCH, "npu_moe_gating_top_k's norm_type 2 (sqrt(softplus), DeepSeek-V4) is in "
+                                          "newer CANN only; torch_npu 2.14 documents norm_type 0 and 1")
     if cfg.method is RoutingMethod.SIGMOID and not cfg.normalize_sigmoid:
         return GatingPlan(GatingOp.TORCH, "npu_moe_gating_top_k always renormalises sigmoid weights (norm_type=1), "
                                           "but normalize_sigmoid=False asks for raw sigmoid scores")
