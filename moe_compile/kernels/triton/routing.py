@@ -199,10 +199,10 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
     ids = torch.empty(num_tokens, cfg.top_k, dtype=torch.int32, device=router_logits.device)
     if num_tokens == 0:
         return weights, ids
-    sigmoid = cfg.method.elementwise  # sigmoid or sqrt-softplus
-    renorm = cfg.normalize_sigmoid if sigmoid else cfg.renormalize
+    elementwise = cfg.method.elementwise  # sigmoid or sqrt-softplus: normalised through normalize_sigmoid
+    renorm = cfg.normalize_sigmoid if elementwise else cfg.renormalize
     # softmax renormalisation divides by the plain sum (no eps), as the reference does
-    eps = cfg.sigmoid_eps if sigmoid else 0.0
+    eps = cfg.sigmoid_eps if elementwise else 0.0
     bias = e_score_correction_bias
     has_bias = bias is not None and not cfg.scoring_after_topk
     grid = (cdiv(num_tokens, block_t),)
