@@ -27,6 +27,7 @@ class BackendConfig:
     exclude_paths: tuple[str, ...] = ()
     exclude_classes: tuple[type, ...] = ()
     verify: bool = False
+    experts_only: bool = True  # routers the op cannot express stay; their experts become fused_experts
     torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
@@ -47,6 +48,8 @@ VALID_OPTIONS = {
     "lowering": "one of %s" % [m.value for m in Lowering],
     "exclude": "a module-path glob (str), a module class, or a list of them",
     "verify": "a bool",
+    "experts_only": "a bool (default True): where the op has no routing for a block's router, keep the router "
+                    "as written and rewrite its experts alone into moe_compile::fused_experts",
     "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
@@ -107,10 +110,11 @@ def parse_options(options: dict | None) -> BackendConfig:
         kwargs["torchair_mode"] = parse_enum(TorchairMode, options["torchair_mode"], "options['torchair_mode']")
     if "exclude" in options:
         kwargs["exclude_paths"], kwargs["exclude_classes"] = _exclude(options["exclude"])
-    if "verify" in options:
-        if not isinstance(options["verify"], bool):
-            raise TypeError("options['verify'] must be a bool, but got %r" % (options["verify"],))
-        kwargs["verify"] = options["verify"]
+    for name in ("verify", "experts_only"):
+        if name in options:
+            if not isinstance(options[name], bool):
+                raise TypeError("options[%r] must be a bool, but got %r" % (name, options[name]))
+            kwargs[name] = options[name]
     for name in ("ep_group", "tp_group"):
         if name in options:
             kwargs[name] = _group(name, options[name])

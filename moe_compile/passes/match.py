@@ -328,9 +328,18 @@ def _cached_fused(ctx: GraphContext, key: tuple, compute):
     return cache[key]
 
 
-def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: fx.Node, bias_value):
+def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: fx.Node, bias_value, reference=None,
+                     top_k: int | None = None):
     """Each experts reading under which the fused op reproduces ``output`` on the probe, in order (the
-    caller stress-tests each: a per-expert scale of ones matches without being read, say)."""
+    caller stress-tests each: a per-expert scale of ones matches without being read, say).
+    ``reference(w13, w2, b13, b2, cfg)``: what the op computes on the probe (default: the fused op with
+    ``routing``; the experts-only rewrite passes the experts on the probe's own ids and weights)."""
+    # the op's outputs are cached by id(probe): the probe must outlive the pass, or a later probe could take
+    # its id and read them (the experts-only matcher's probes differ in their ids and weights only)
+    ctx.__dict__.setdefault("live_probes", []).append(probe)
+    if reference is None:
+        def reference(w13, w2, b13, b2, cfg):
+            return fused_reference(probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg)
     stop = set(probe.overrides)
     slice_nodes = backward_slice([output], stop)
     got = _eval(ctx, probe, [output])
@@ -354,11 +363,10 @@ def identify_experts(ctx: GraphContext, anchor, routing, probe: Probe, output: f
                 b2s = xin.scaled(b2s, scale)
                 b13 = None if b13s is None else _cast(b13s.real(ctx.values), cast)
                 b2 = None if b2s is None else _cast(b2s.real(ctx.values), cast)
-                for cfg in _with_input_weighting(ex.activation_candidates(region, gated), routing):
+                for cfg in _with_input_weighting(ex.activation_candidates(region, gated), top_k or routing.top_k):
                     key = (id(probe), routing, w13s, w2s, b13s, b2s, cfg)
                     try:
-                        fused = _cached_fused(ctx, key, lambda: fused_reference(
-                            probe.x2d, probe.logits, routing, bias_value, w13, w2, b13, b2, cfg))
+                        fused = _cached_fused(ctx, key, lambda: reference(w13, w2, b13, b2, cfg))
                     except (ValueError, TypeError, RuntimeError):
                         continue
                     if close(fused, target, dtype):
@@ -369,8 +377,8 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t if t is None or dtype is None else t.to(dtype)
 
 
-def _with_input_weighting(cfgs: list[ExpertsConfig], routing: RoutingConfig) -> list[ExpertsConfig]:
-    if routing.top_k != 1:
+def _with_input_weighting(cfgs: list[ExpertsConfig], top_k: int) -> list[ExpertsConfig]:
+    if top_k != 1:
         return cfgs
     return cfgs + [replace(c, apply_router_weight_on_input=True) for c in cfgs]
 

@@ -15,11 +15,12 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from moe_compile.options import BackendConfig
 from moe_compile.passes import router as rt
 from moe_compile.passes.graph import (
-    Concretizer, SliceEvaluator, module_path, module_stack, parent_path,
+    Concretizer, is_getitem, SliceEvaluator, module_path, module_stack, parent_path,
 )
 from moe_compile.passes import match as match_mod
 from moe_compile.passes.match import GraphContext, match_block
-from moe_compile.passes.rewrite import rewrite_block
+from moe_compile.passes import experts_only
+from moe_compile.passes.rewrite import rewrite_block, rewrite_experts
 from moe_compile.report import BlockDecision, excluded_tensor_ids, path_excluded, record
 
 log = logging.getLogger("moe_compile")
@@ -64,14 +65,24 @@ class MoEFusionPass(_Base):
         conc = Concretizer(placeholders, self.real_inputs)
         ctx = GraphContext(graph, values, names, SliceEvaluator(graph, placeholders, self.real_inputs, gm, conc),
                            conc)
+        failed, claimed, unanchored = [], set(), []
         for topk, anchor in rt.find_anchors(graph, names):
             if topk.graph is not graph or topk not in _live(graph):
                 continue
-            self._one(gm, ctx, topk, anchor)
+            if not isinstance(anchor, str):
+                claimed.add(anchor.logits)
+            elif self.config.experts_only and not isinstance(anchor, rt.NotRouter) and "group-selection" not in anchor:
+                unanchored.append((topk, anchor))  # no router matmul of its width: the experts alone may do
+                continue
+            self._one(gm, ctx, topk, anchor, failed)
+        if self.config.experts_only:
+            self._experts_only(gm, ctx, failed, claimed, unanchored)
         if self.rewritten:
             gm.recompile()
 
-    def _one(self, gm, ctx: GraphContext, topk: fx.Node, anchor) -> None:
+    def _one(self, gm, ctx: GraphContext, topk: fx.Node, anchor, failed: list) -> None:
+        """Match and rewrite one top-k router's block; a block whose routing matched none of the op's goes
+        to ``failed`` (the experts-only rewrite's turn) instead of the report."""
         path = _block_path(topk)
         if isinstance(anchor, str):
             if "group-selection" not in anchor:
@@ -97,6 +108,9 @@ class MoEFusionPass(_Base):
             if not ok:
                 match = "verify: the rewrite disagreed with the original subgraph on fresh random inputs"
         if isinstance(match, str):
+            if self.config.experts_only and match.startswith(_ROUTING_UNMATCHED):
+                failed.append((anchor, path, match, weight_id))
+                return
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match,
                                  router_weight_id=weight_id))
             return
@@ -116,6 +130,75 @@ class MoEFusionPass(_Base):
             rewritten=True, router_weight_id=weight_id,
         ))
 
+    def _experts_only(self, gm, ctx: GraphContext, failed: list, claimed: set, unanchored: list) -> None:
+        """Blocks whose router the op cannot express: top-k routers whose routing matched none of the op's
+        (``failed``), then routed pairs next to router matmuls without a top-k (hash routing, argmax picks)
+        or with a top-k that found no router matmul of its width (``unanchored``: (top-k, why))."""
+        for anchor, path, reason, weight_id in failed:
+            routed = experts_only.from_topk(anchor, reason)
+            done = self._routed(gm, ctx, routed, path, weight_id, match_mod.scopes(anchor))
+            if done is not True:
+                record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k,
+                                     reason="%s (the experts alone: %s)" % (reason, done), router_weight_id=weight_id))
+        topk_ids = {u: (topk, why) for topk, why in unanchored for u in topk.users if is_getitem(u, 1)}
+        by_router: dict = {}
+        for routed in experts_only.find_routed(ctx, ctx.graph, claimed, set(topk_ids)):
+            by_router.setdefault(routed.logits, []).append(routed)
+        for logits, found in by_router.items():
+            real_weight = ctx.values.get(found[0].router_weight)
+            weight_id = id(real_weight) if isinstance(real_weight, torch.Tensor) else None
+            path = _block_path(logits)
+            reasons = []
+            for routed in sorted(found, key=lambda r: -r.top_k):  # the widest pick first (PhiMoE's two picks)
+                if routed.ids not in _live(ctx.graph):
+                    continue
+                reason = self._excluded(routed, ctx, path)
+                if reason:
+                    record(BlockDecision(path=path, num_experts=routed.num_experts, top_k=routed.top_k, reason=reason,
+                                         router_weight_id=weight_id))
+                    topk_ids.pop(routed.ids, None)
+                    reasons = []
+                    break
+                done = self._routed(gm, ctx, routed, path, weight_id, experts_only.scopes(routed))
+                if done is True:
+                    topk_ids.pop(routed.ids, None)
+                    reasons = []
+                    break
+                if routed.ids in topk_ids:  # reported with its top-k's reason below
+                    topk, why = topk_ids[routed.ids]
+                    topk_ids[routed.ids] = (topk, "%s (the experts alone: %s)" % (why, done))
+                    continue
+                reasons.append((routed, done))
+            shown = [(r, why) for r, why in reasons if not why.startswith(experts_only.NOT_EXPERTS)]
+            if shown:  # expert weights were found: a block the user would expect rewritten
+                routed, why = shown[0]
+                record(BlockDecision(path=path, num_experts=routed.num_experts, top_k=routed.top_k,
+                                     reason="router without a top-k (%s); the experts alone: %s" % (routed.source, why),
+                                     router_weight_id=weight_id))
+        for topk, why in topk_ids.values():
+            record(BlockDecision(path=_block_path(topk), reason=why))
+
+    def _routed(self, gm, ctx: GraphContext, routed, path: str, weight_id, scope_list) -> bool | str:
+        """``True`` when ``routed``'s experts were rewritten into ``fused_experts``, else why not."""
+        if self._groups():
+            return "experts-only rewrites do not shard experts over EP/TP groups yet"
+        try:
+            with unset_fake_temporarily():
+                match = experts_only.match_routed(ctx, routed, scope_list)
+        except Exception as exc:  # a failed match must never break the user's compile
+            log.debug("moe_compile: matching the experts of %s raised", path, exc_info=True)
+            return "the experts-only matcher raised %s: %s" % (type(exc).__name__, exc)
+        if isinstance(match, str):
+            return match
+        with unset_fake_temporarily():
+            rewrite_experts(gm, match, ctx.values, self.op_kwargs)
+        self.rewritten += 1
+        record(BlockDecision(
+            path=path, router=match.router_kind(), experts=match.experts.form, num_experts=routed.num_experts,
+            top_k=routed.top_k, activation=match.experts.describe(), rewritten=True, router_weight_id=weight_id,
+        ))
+        return True
+
     def _lowers_to_cuda(self, ctx: GraphContext, anchor) -> bool:
         from moe_compile.lowering import resolve
         from moe_compile.ops.config import Lowering
@@ -134,7 +217,8 @@ class MoEFusionPass(_Base):
     def _excluded(self, anchor, ctx: GraphContext, path: str) -> str:
         if path_excluded(path, self.config.exclude_paths):
             return "excluded by options['exclude'] (path glob)"
-        classes = {cls for node in (anchor.topk, anchor.logits) for _, cls in module_stack(node) if cls}
+        classes = {cls for node in (anchor.topk, anchor.logits) if node is not None
+                   for _, cls in module_stack(node) if cls}
         if self.config.exclude_classes and any(issubclass(c, self.config.exclude_classes) for c in classes):
             return "excluded by options['exclude'] (module class)"
         excluded = excluded_tensor_ids()
@@ -143,9 +227,10 @@ class MoEFusionPass(_Base):
         return ""
 
 
-def _block_path(topk: fx.Node) -> str:
-    path = module_path(topk)
-    stack = module_stack(topk)
+def _block_path(node: fx.Node) -> str:
+    """The block's path from its router's top-k (or router matmul)."""
+    path = module_path(node)
+    stack = module_stack(node)
     # the router is usually its own module (``mlp.gate``, or dbrx's ``ffn.router.layer``); the block is
     # its parent. With one entry left, the frame Dynamo compiled is the block itself (its own frame after
     # a graph break), so a router's parent is that frame's root, ""
@@ -155,6 +240,10 @@ def _block_path(topk: fx.Node) -> str:
         stack = stack[:-1]
         path = parent_path(path) or ""
     return path
+
+
+# identify_routing's reasons: the block's routing is none of the op's (its experts may still be)
+_ROUTING_UNMATCHED = ("the router's expert choice or weights match no", "the router slice could not be evaluated")
 
 
 def _live(graph: fx.Graph) -> set[fx.Node]:

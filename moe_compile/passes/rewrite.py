@@ -265,10 +265,7 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
         if groups:
             w13, w2, b13, b2 = _sharded_weights(gm, match, values, groups, anchor.x)
         else:
-            w13, w2, b13, b2 = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, anchor.x)
-        if choice.cast is not None:  # autocast: cast per call, as the block did (the op computes in it)
-            w13, w2, b13, b2 = (None if w is None else _call(graph, torch.ops.prims.convert_element_type.default,
-                                                            (w, choice.cast), anchor.x) for w in (w13, w2, b13, b2))
+            w13, w2, b13, b2 = _op_weights(gm, choice, values, anchor.x)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias
@@ -285,15 +282,10 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
             gate_up_interleaved=experts.gate_up_interleaved,
             apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
         )
-        x = anchor.experts_x or anchor.x  # experts_x: the experts read their own input (Gemma-4)
         act_dtype = val(w13).dtype  # the experts compute in their weights' dtype
         x_low = upcast_source(anchor.x)
-        if val(x).dtype != act_dtype:  # e.g. the router saw an upcast copy (DeepSeek-V3's x.float())
-            low = upcast_source(x)
-            if low is not None and val(low).dtype == act_dtype:
-                x = low  # the block input itself, not a round trip through fp32
-            else:
-                x = _call(graph, torch.ops.prims.convert_element_type.default, (x, act_dtype), anchor.x)
+        # experts_x: the experts read their own input (Gemma-4)
+        x = _in_dtype(graph, anchor.experts_x or anchor.x, act_dtype, anchor.x)
         logits = anchor.logits
         if router_on_cuda:
             logits = _router_op(graph, anchor, x_low) or logits
@@ -310,7 +302,57 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     return fused
 
 
-def _drop_old(graph: fx.Graph, match: BlockMatch, keep: set[fx.Node]) -> None:
+def _op_weights(gm: fx.GraphModule, choice, values: dict, template: fx.Node) -> list:
+    w13, w2, b13, b2 = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, template)
+    if choice.cast is not None:  # autocast: cast per call, as the block did (the op computes in it)
+        w13, w2, b13, b2 = (None if w is None else _call(gm.graph, torch.ops.prims.convert_element_type.default,
+                                                        (w, choice.cast), template) for w in (w13, w2, b13, b2))
+    return [w13, w2, b13, b2]
+
+
+def _in_dtype(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, template: fx.Node) -> fx.Node:
+    """``x`` in the experts' dtype: as it is, the low-precision tensor it is an upcast of (the router saw
+    an upcast copy: DeepSeek-V3's ``x.float()``), or a cast."""
+    if val(x).dtype == dtype:
+        return x
+    low = upcast_source(x)
+    if low is not None and val(low).dtype == dtype:
+        return low  # the block input itself, not a round trip through fp32
+    return _call(graph, torch.ops.prims.convert_element_type.default, (x, dtype), template)
+
+
+def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict) -> fx.Node:
+    """An experts-only match (``experts_only.RoutedMatch``): the routed output becomes one
+    ``moe_compile::fused_experts`` node on the router's own ids and weights; the router stays."""
+    graph = gm.graph
+    out, anchor, experts = match.output, match.anchor, match.experts.config
+    with graph.inserting_before(out):
+        w13, w2, b13, b2 = _op_weights(gm, match.experts, values, match.x_view)
+        act_dtype = val(w13).dtype
+        x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)
+        k = anchor.top_k
+        ids, weights = anchor.ids, match.weights
+        if tuple(val(ids).shape[1:]) != (k,) or val(ids).dim() != 2:
+            ids = _call(graph, aten.reshape.default, (ids, [-1, k]), ids)
+        if tuple(val(weights).shape[1:]) != (k,) or val(weights).dim() != 2:
+            weights = _call(graph, aten.reshape.default, (weights, [-1, k]), weights)
+        kwargs = dict(
+            num_experts=anchor.num_experts, activation=experts.activation.value,
+            swiglu_alpha=float(experts.swiglu_alpha), swiglu_limit=float(experts.swiglu_limit),
+            gate_up_interleaved=experts.gate_up_interleaved,
+            apply_router_weight_on_input=experts.apply_router_weight_on_input, **op_kwargs,
+        )
+        fused = _call(graph, torch.ops.moe_compile.fused_experts.default, (x, weights, ids, w13, w2, b13, b2), out,
+                      kwargs)
+        result = fused
+        if val(out).dtype != act_dtype:
+            result = _call(graph, torch.ops.prims.convert_element_type.default, (result, val(out).dtype), out)
+    out.replace_all_uses_with(result)
+    _drop_old(graph, match, {anchor.x, match.x_view, anchor.ids, match.weights, anchor.logits})
+    return fused
+
+
+def _drop_old(graph: fx.Graph, match, keep: set[fx.Node]) -> None:
     """Erase runtime asserts that only guarded the replaced computation, then dead code."""
     old = match.old_nodes - keep
     for node in list(graph.nodes):
