@@ -147,7 +147,7 @@ class MoEFusionPass(_Base):
         for logits, found in by_router.items():
             real_weight = ctx.values.get(found[0].router_weight)
             weight_id = id(real_weight) if isinstance(real_weight, torch.Tensor) else None
-            path = _block_path(logits)
+            path = _block_path(found[0].ids)  # the router matmul may be a bare Linear of the block
             reasons = []
             for routed in sorted(found, key=lambda r: -r.top_k):  # the widest pick first (PhiMoE's two picks)
                 if routed.ids not in _live(ctx.graph):

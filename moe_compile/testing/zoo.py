@@ -134,14 +134,20 @@ def redraw_parameters(model: torch.nn.Module, *, seed: int = 0) -> None:
 
     Norm weights keep their init (ones, or zeros for zero-centred ``1 + w`` norms) so activations
     keep their scale; correction biases (``e_score_correction_bias``, ``expert_bias``, parameters
-    or buffers) get N(0, 0.02^2). Other buffers (rotary frequencies, masks) are left alone. Draws
-    are made in fp32 from one seeded generator in registration order, so every dtype gets the
-    same weights.
+    or buffers) get N(0, 0.02^2); a hash layer's token-to-expert table (``tid2eid [vocab, k]``,
+    zeros until a checkpoint fills it) gets k distinct experts per token, as a trained table has.
+    Other buffers (rotary frequencies, masks) are left alone. Draws are made in fp32 from one seeded
+    generator in registration order, so every dtype gets the same weights.
     """
     gen = torch.Generator().manual_seed(seed)
     for module_name, module in model.named_modules():
         is_norm = "norm" in type(module).__name__.lower()
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if name == "tid2eid" and tensor is not None and tensor.dim() == 2:
+                num_experts = getattr(module, "num_experts", tensor.shape[1])
+                rows = torch.rand(tensor.shape[0], num_experts, generator=gen).argsort(dim=1)[:, :tensor.shape[1]]
+                tensor.copy_(rows.to(tensor.dtype))
+                continue
             if tensor is None or not tensor.is_floating_point():
                 continue
             if name in _SELECTION_BIAS_NAMES:

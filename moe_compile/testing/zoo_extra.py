@@ -62,7 +62,7 @@ EXTRA_FAMILIES = (
     _v4("deepseek_v4_hash", "hash_moe",
         router="hash layers: ids = tid2eid[input_ids]; weights sqrt(softplus(logits)) at those ids, /(sum+1e-20)",
         expressible=False, skip_reason="hash routing: the expert ids come from input_ids through a lookup table "
-                                       "(no top-k over router scores)"),
+                                       "(no top-k over router scores)", experts_only=True),
     _fam("minimax_m2", "MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMaxM2SparseMoeBlock", RouterKind.R3,
          "linear -> float sigmoid -> topk(scores + e_score_correction_bias) -> gather -> /= sum (no eps, no scale)",
          tiny(_MOE, intermediate_size=32, num_local_experts=8)),
@@ -118,7 +118,7 @@ EXTRA_FAMILIES = (
               sliding_window=16),
          shared=SharedExperts.UNGATED, expressible=False,
          skip_reason="selection bias is added to the raw logits before top-k and sigmoid scores the picked "
-                     "logits; the op adds its correction bias to the scores"),
+                     "logits; the op adds its correction bias to the scores", experts_only=True),
     _r4("deepseek_v32", "DeepseekV32Config", "DeepseekV32ForCausalLM", "DeepseekV32MoE", mla=True,
         n_shared_experts=1, first_k_dense_replace=0, layer_types=None),
     _r4("glm4_moe_lite", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", "Glm4MoeLiteMoE", mla=True,

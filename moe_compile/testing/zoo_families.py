@@ -111,6 +111,7 @@ CORE_FAMILIES = (
         expressible=False,
         skip_reason="SparseMixer router (two sequential masked-softmax argmax picks, no top-k, weights not "
                     "renormalised) is not a routing method of the fused op",
+        experts_only=True,
         capture=capture_map(),
     ),
 )

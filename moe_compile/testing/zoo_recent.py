@@ -261,7 +261,7 @@ RECENT_FAMILIES = (
         shared_experts=SharedExperts.UNGATED, expressible=False,
         skip_reason=("the routed weights are normalised together with the shared experts' sigmoid scores "
                      "(sigmoid(l_j) / (sum over the k picks + sum over the shared logits)) and the router matmul "
-                     "has E + n_shared outputs: no routing of the op gives these weights"),
+                     "has E + n_shared outputs: no routing of the op gives these weights"), experts_only=True,
         capture=_GM, per_layer_keys=("mlp_layer_types", "layer_types"),
         notes="shared experts [S, I, H] bmm, each scaled by its router gamma (not ungated in fact: router-gated); "
               "n_shared_experts=0 breaks the router (scores[..., :-0] is empty)",
@@ -323,6 +323,7 @@ DEEPSEEK_LIKE_FAMILIES = (
          model_type="axk2", shared=SharedExperts.UNGATED, per_layer=("mlp_layer_types",), expressible=False,
          skip_reason="the dropped groups are masked with 0.0, not -inf: when a bias makes the kept experts' "
                      "scores negative, a dropped expert is picked, which the op's group-limited routing never does",
+         experts_only=True,
          notes="rewritten as DeepSeek-V3 routing until the twenty-first session (0.95 off eager once the bias "
                "made scores negative); the routing probes now include scores below zero"),
     _r4("dots3_note", "Dots3NoteTextConfig", "Dots3NoteForCausalLM", "Dots3NoteTextMoE", mla=True,

@@ -82,7 +82,9 @@ class FamilySpec:
     ``deepseek_v2``). ``num_moe_layers`` counts the blocks of ``block_classes`` in the tiny build
     with ``num_layers`` = ``default_layers``; :func:`moe_compile.testing.zoo.expected_moe_layers`
     scales it. ``expressible`` False means the fused op cannot compute this block, for
-    ``skip_reason``. ``capture`` says, per experts implementation, what Dynamo makes of it.
+    ``skip_reason``; ``experts_only`` True that its router is the reason and its experts are fused
+    all the same (the router stays as written, the experts become ``fused_experts``). ``capture`` says,
+    per experts implementation, what Dynamo makes of it.
     """
 
     name: str
@@ -99,6 +101,7 @@ class FamilySpec:
     shared_experts: SharedExperts = SharedExperts.NONE
     expressible: bool = True
     skip_reason: str | None = None
+    experts_only: bool = False
     capture: Mapping = field(default_factory=lambda: types.MappingProxyType({}))
     layers_key: str = "num_hidden_layers"
     per_layer_keys: tuple[str, ...] = ()  # list-valued config keys cycled to the layer count
@@ -112,8 +115,16 @@ class FamilySpec:
                 f"FamilySpec {self.name!r}: skip_reason must be given exactly when expressible is False, "
                 f"got expressible={self.expressible!r}, skip_reason={self.skip_reason!r}."
             )
+        if self.experts_only and self.expressible:
+            raise ValueError(f"FamilySpec {self.name!r}: experts_only=True is for a router the op cannot express "
+                             f"(expressible=False), got expressible=True.")
         if not self.experts_impls:
             raise ValueError(f"FamilySpec {self.name!r}: experts_impls must not be empty.")
+
+    @property
+    def rewritten(self) -> bool:
+        """Whether the pass rewrites this family's blocks (whole, or the experts alone)."""
+        return self.expressible or self.experts_only
 
     @property
     def decorated(self) -> bool:

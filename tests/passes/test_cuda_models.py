@@ -31,7 +31,8 @@ from moe_compile.testing import zoo
 from .helpers import TOL, first_tensor, max_rel_diff
 
 CUDA = torch.cuda.is_available()
-CASES = [("cpu", "deepseek_v3"), ("cuda", "qwen3_moe"), ("cuda", "deepseek_v3"), ("cuda", "deepseek_v4")]
+CASES = [("cpu", "deepseek_v3"), ("cuda", "qwen3_moe"), ("cuda", "deepseek_v3"), ("cuda", "deepseek_v4"),
+         ("cuda", "deepseek_v4_hash")]  # the hash layers: experts-only rewrites
 
 
 @pytest.mark.parametrize("device,name", CASES, ids=["%s-%s" % c for c in CASES])

@@ -2,8 +2,8 @@
 
 Its top-k layers score experts with ``sqrt(softplus(logits))``, pick with ``+ e_score_correction_bias``,
 divide the picked scores by their sum + 1e-20 and scale them; the experts are a clamped SwiGLU
-(``silu_clamped``). Its hash layers take the expert ids from ``input_ids`` through a table and stay as
-they are. Tolerances: fp32 1e-4, bf16 2e-2 of the output's magnitude (``helpers.TOL``).
+(``silu_clamped``). Its hash layers take the expert ids from ``input_ids`` through a table: their router
+stays as written and their experts alone are fused. Tolerances: fp32 1e-4, bf16 2e-2 of the output's magnitude (``helpers.TOL``).
 """
 from __future__ import annotations
 
@@ -53,14 +53,20 @@ def test_topk_layers_are_rewritten_with_the_sqrtsoftplus_router():
         assert block.activation.startswith("silu_clamped"), block.activation
 
 
-def test_a_hash_layer_is_left_alone_and_the_topk_layer_rewritten():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_hash_layers_experts_are_fused_and_the_topk_layer_whole(dtype):
+    """The hash layer's router stays (the table lookup and the gathered scores); its experts become
+    ``fused_experts`` (``experts_only.py``)."""
     _require()
-    model = _mixed_model()
+    model = _mixed_model(dtype)
     kwargs = zoo.build_inputs("deepseek_v4", num_tokens=7, seed=3)
     report, diff = explain_and_compare(model, kwargs)
-    assert diff <= TOL[torch.float32], (diff, str(report))
-    assert report.rewritten == ["model.layers.1.mlp"], str(report)
-    assert [path for path, _ in report.skipped] == ["model.layers.0.mlp"], str(report)
+    assert diff <= TOL[dtype], (diff, str(report))
+    assert sorted(report.rewritten) == ["model.layers.0.mlp", "model.layers.1.mlp"], str(report)
+    routers = {b.path: b.router for b in report.blocks}
+    assert routers["model.layers.0.mlp"] == "kept as written (ids from a table lookup) -> fused_experts", routers
+    assert routers["model.layers.1.mlp"].startswith("sqrtsoftplus+bias→topk→norm"), routers
+    assert all(b.activation.startswith("silu_clamped") for b in report.blocks), str(report)
 
 
 def test_dynamic_token_counts_under_inductor_match_eager():

@@ -43,7 +43,13 @@ def _require(name: str, impl: str) -> None:
 def _expect_rewrite(name: str, impl: str) -> bool:
     spec = zoo.get_family(name)
     capture = spec.capture_of(zoo.ExpertsImpl(impl))
-    return spec.expressible and capture in (Capture.ONE_GRAPH, Capture.NEEDS_FLAGS)
+    return spec.rewritten and capture in (Capture.ONE_GRAPH, Capture.NEEDS_FLAGS)
+
+
+def _check_routers(name: str, report) -> None:
+    """A family the op routes for itself names its routing; one whose router it cannot express keeps it."""
+    kept = [b.router.startswith("kept as written") for b in report.blocks if b.rewritten]
+    assert all(kept) if zoo.get_family(name).experts_only else not any(kept), str(report)
 
 
 @pytest.mark.parametrize("name,impl", PAIRS, ids=["%s-%s" % p for p in PAIRS])
@@ -62,6 +68,7 @@ def test_family_fp32(name, impl):
         # "left model.layers.0.mlp as it was" for a block that was rewritten)
         assert torch._dynamo.utils.counters["moe_compile"]["skipped"] == len(report.skipped), str(report)
         assert all(b.router != "-" and b.activation != "-" for b in report.blocks if b.rewritten)
+        _check_routers(name, report)
     else:
         assert not report.rewritten, str(report)
         assert report.skipped and all(reason for _, reason in report.skipped), str(report)
@@ -81,6 +88,7 @@ def test_family_bf16(name, impl):
         assert len(report.rewritten) == zoo.expected_moe_layers(name), str(report)
         # bf16 graphs put prims casts in a grouped router's group mask: still no skip counted
         assert torch._dynamo.utils.counters["moe_compile"]["skipped"] == len(report.skipped), str(report)
+        _check_routers(name, report)
 
 
 def test_reason_names_the_activations_after_transformers_grouped_mm():
