@@ -22,6 +22,8 @@ VIEW_OPS = {
 }
 CAST_OPS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
 MATMUL_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.linear.default}
+if hasattr(aten.mm, "dtype"):  # torch.mm(a, b, out_dtype=torch.float32): a bf16 router with fp32 logits (CUDA only)
+    MATMUL_OPS.add(aten.mm.dtype)
 SIDE_EFFECT_OPS = {aten._assert_scalar.default, aten._assert_async.msg, aten._assert_async.default,
                    aten.sym_constrain_range_for_size.default, aten.sym_constrain_range.default}
 

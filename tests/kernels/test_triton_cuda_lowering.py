@@ -76,6 +76,26 @@ def test_cuda_lowering_matches_torch_stages_on_interpreter_or_gpu(spec):
     assert _rel(out, ref) < (2e-2 if CUDA else 1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 40, 600] if CUDA else [1, 12])
+def test_precomputed_routing_with_an_expert_picked_twice(tokens):
+    """``fused_experts`` as the experts-only rewrite calls it, on a router that may send a token to one
+    expert twice (an untrained hash table): each pick counts, as in the torch stages."""
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x, _, w13, w2, _ = _layer(tokens, 64, 32, 16, device, dtype, seed=tokens)
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.rand(tokens, 16, generator=gen).argsort(dim=1)[:, :4]
+    ids[::2, 1] = ids[::2, 0]  # every other token: its first expert twice
+    weights = torch.rand(tokens, 4, generator=gen) + 0.25
+    ids, weights = ids.to(device), weights.to(device)
+    cfg = make_config(16, 4, "softmax", False, 1.0, 1, 1, 0, True, False, False, "silu", 1.702, 7.0, False, False,
+                      None, None, None, True, True, "auto")
+    out = CudaLowering().run(MoEInputs(x, None, ExpertWeights(w13, w2), None, weights, ids), cfg)
+    ref = StagedLowering().run(MoEInputs(x.float(), None, ExpertWeights(w13.float(), w2.float()), None, weights,
+                                         ids), cfg)
+    assert out.shape == x.shape and _rel(out, ref) < (2e-2 if CUDA else 1e-5)
+
+
 def test_fallback_is_logged_and_counted(caplog, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     x, logits, w13, w2, bias = _layer(5, 32, 16, 32, "cpu", torch.float32)

@@ -40,10 +40,9 @@ def test_groups_masked_with_zero_are_left_alone(fill):
     torch._dynamo.reset()
     report, diff = explain_and_compare(model, kwargs)
     assert diff <= TOL[torch.float32], diff
-    if fill == 0.0:
-        assert not report.rewritten and "routing" in report.skipped[0][1], str(report)
-    else:
-        assert len(report.rewritten) == 1, str(report)
+    assert len(report.rewritten) == 1, str(report)
+    kept = report.blocks[0].router.startswith("kept as written (top-k; expert choice or weights match no")
+    assert kept == (fill == 0.0), str(report)  # the 0.0 fill is no routing of the op: its router stays
     # a trained bias below every score: the 0.0 fill then outranks every kept expert
     fast = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
     with torch.no_grad():
@@ -151,8 +150,19 @@ def test_router_logits_scaled_by_one_number_are_rewritten(temperature):
             assert max_rel_diff(fast(x), model(x)) <= TOL[torch.float32]
 
 
-def test_router_logits_scaled_per_expert_are_left_alone():
+def test_router_logits_scaled_per_expert_keep_their_router():
+    """No routing of the op scales each expert's logit: the router stays as written (experts-only rewrite),
+    so a scale changed after compiling is followed; with ``experts_only=False`` the block stays whole."""
     torch.manual_seed(0)
     model = _TemperatureMoE(1.0, per_expert=True).eval()
-    report, diff = explain_and_compare(model, {"x_BSD": torch.randn(1, 9, blocks.MoEBlockConfig().hidden_size)})
+    x = torch.randn(1, 9, blocks.MoEBlockConfig().hidden_size)
+    report, diff = explain_and_compare(model, {"x_BSD": x}, {"experts_only": False})
     assert not report.rewritten and diff <= TOL[torch.float32], (str(report), diff)
+    report, diff = explain_and_compare(model, {"x_BSD": x})
+    assert report.rewritten == [""] and diff <= TOL[torch.float32], (str(report), diff)
+    assert report.blocks[0].router.startswith("kept as written (top-k"), str(report)
+    fast = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+    with torch.no_grad():
+        fast(x)
+        model.logit_scale.mul_(torch.linspace(0.2, 3.0, model.logit_scale.numel()).reshape(model.logit_scale.shape))
+        assert max_rel_diff(fast(x), model(x)) <= TOL[torch.float32]

@@ -12,7 +12,7 @@ from torch import nn
 import moe_compile
 from moe_compile.passes.probes import coverage_logits, num_coverage_probes
 
-from .helpers import explain_and_compare, max_rel_diff
+from .helpers import explain_and_compare, first_tensor, max_rel_diff
 
 H, I, E, K = 32, 16, 8, 2
 
@@ -183,5 +183,19 @@ def test_bias_on_the_logits_is_not_taken_for_a_bias_on_the_scores_at_one_token(s
 
     torch._dynamo.reset()
     model, inputs = zoo.build_model("kolibri1", num_tokens=1, seed=seed)
-    report = moe_compile.explain(model, **inputs, options={"inner_compiler": "aot_eager"})
+    options = {"inner_compiler": "aot_eager", "experts_only": False}
+    report = moe_compile.explain(model, **inputs, options=options)
     assert not report.rewritten, str(report)
+    # with experts-only rewrites (the default) the router stays as written, so a trained bias is followed
+    torch._dynamo.reset()
+    report = moe_compile.explain(model, **inputs, options={"inner_compiler": "aot_eager"})
+    assert report.rewritten and all(b.router.startswith("kept as written (top-k") for b in report.blocks), str(report)
+    fast = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        fast(**inputs)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                bias = module.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.5)
+        assert max_rel_diff(first_tensor(fast(**inputs)), first_tensor(model(**inputs))) <= 1e-4
