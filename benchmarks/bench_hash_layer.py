@@ -11,8 +11,9 @@ sqrt-softplus scores) and rewrites the experts alone into ``moe_compile::fused_e
 it rewrites the whole block into ``fused_moe``. Each compiled mode is compiled once with the token count
 dynamic, then each M is timed as a median of ``--reps`` forwards (CUDA events, as ``bench_e2e.py``); the
 ``-cg`` modes compile with ``mode="reduce-overhead"`` (CUDA graphs), the others run without graphs, where
-the host's launch work shows (an eager ``fused_moe`` call costs ~400 us of host time on the H200). ``bound`` is the routed experts' lower bound as in ``bench_moe_layer.py``
-(max(bytes of the experts hit / 4.8 TB/s, FLOPs / 790 TFLOP/s)), the shared expert left out. Prints a table;
+the host's launch work shows (an eager ``fused_moe`` call costs ~400 us of host time on the H200).
+``bound`` is the routed experts' lower bound as in ``bench_moe_layer.py`` (max(bytes of the experts hit /
+4.8 TB/s, FLOPs / 790 TFLOP/s)), the shared expert left out. Prints a table;
 writes ``hash_layer.json`` under ``--out``. ``--tiny --device cpu``: a smoke run.
 """
 from __future__ import annotations

@@ -39,8 +39,8 @@ _SEED = 5000  # probe seeds apart from the full match's
 _NO_OUTPUT = "no node after the expert ids is shaped like the block's output"
 _NO_WEIGHTS = "no floating [tokens, top_k] weights made from the router's scores reach the block's output"
 # reasons that say there are no experts here at all (not reported for routers without a top-k)
-NOT_EXPERTS = (mt.NOT_CAPTURED, _NO_OUTPUT, _NO_WEIGHTS, "no [E, ...] expert weights", "the router matmul's input is not 2-D",
-               "the routed ids or weights are not")
+NOT_EXPERTS = (mt.NOT_CAPTURED, _NO_OUTPUT, _NO_WEIGHTS, "no [E, ...] expert weights",
+               "the router matmul's input is not 2-D", "the routed ids or weights are not")
 
 
 @dataclass
@@ -106,7 +106,8 @@ def _from_topk(node: fx.Node) -> bool:
 def _ids_source(ids: fx.Node) -> str:
     if _from_topk(ids):
         return "top-k"
-    name = str(ids.target).split(".")[-2] if "." in str(ids.target) else str(ids.target)
+    op = ids.args[0] if is_getitem(ids) and isinstance(ids.args[0], fx.Node) else ids  # max/sort's indices
+    name = str(op.target).split(".")[-2] if "." in str(op.target) else str(op.target)
     return {"index": "ids from a table lookup", "cat": "ids from separate picks", "argmax": "ids from an argmax",
             "max": "ids from a max"}.get(name, "ids from %s" % name)
 
@@ -246,7 +247,8 @@ def _x_view(ctx, anchor: RoutedAnchor, output: fx.Node) -> fx.Node | None:
     """A view of the block input with the output's shape, computed before the output."""
     out_shape = ctx.conc.shape(output)
     order = {n: i for i, n in enumerate(ctx.graph.nodes)}
-    views = [n for n in mt._family(anchor.x) if ctx.conc.shape(n) == out_shape and order.get(n, 1 << 60) < order[output]]
+    views = [n for n in mt._family(anchor.x)
+             if ctx.conc.shape(n) == out_shape and order.get(n, 1 << 60) < order[output]]
     views.sort(key=lambda n: (val(n).dtype != val(anchor.x).dtype, order[n]))
     return views[0] if views else None
 

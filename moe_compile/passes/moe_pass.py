@@ -142,7 +142,12 @@ class MoEFusionPass(_Base):
                                      reason="%s (the experts alone: %s)" % (reason, done), router_weight_id=weight_id))
         topk_ids = {u: (topk, why) for topk, why in unanchored for u in topk.users if is_getitem(u, 1)}
         by_router: dict = {}
-        for routed in experts_only.find_routed(ctx, ctx.graph, claimed, set(topk_ids)):
+        try:
+            found_all = experts_only.find_routed(ctx, ctx.graph, claimed, set(topk_ids))
+        except Exception:  # an odd graph must not cost the blocks rewritten above
+            log.debug("moe_compile: looking for routers without a top-k raised", exc_info=True)
+            found_all = []
+        for routed in found_all:
             by_router.setdefault(routed.logits, []).append(routed)
         for logits, found in by_router.items():
             real_weight = ctx.values.get(found[0].router_weight)
@@ -180,8 +185,6 @@ class MoEFusionPass(_Base):
 
     def _routed(self, gm, ctx: GraphContext, routed, path: str, weight_id, scope_list) -> bool | str:
         """``True`` when ``routed``'s experts were rewritten into ``fused_experts``, else why not."""
-        if self._groups():
-            return "experts-only rewrites do not shard experts over EP/TP groups yet"
         try:
             with unset_fake_temporarily():
                 match = experts_only.match_routed(ctx, routed, scope_list)
@@ -190,6 +193,8 @@ class MoEFusionPass(_Base):
             return "the experts-only matcher raised %s: %s" % (type(exc).__name__, exc)
         if isinstance(match, str):
             return match
+        if self._groups():
+            return "experts-only rewrites do not shard experts over EP/TP groups yet"
         with unset_fake_temporarily():
             rewrite_experts(gm, match, ctx.values, self.op_kwargs)
         self.rewritten += 1

@@ -3,7 +3,8 @@
 Its top-k layers score experts with ``sqrt(softplus(logits))``, pick with ``+ e_score_correction_bias``,
 divide the picked scores by their sum + 1e-20 and scale them; the experts are a clamped SwiGLU
 (``silu_clamped``). Its hash layers take the expert ids from ``input_ids`` through a table: their router
-stays as written and their experts alone are fused. Tolerances: fp32 1e-4, bf16 2e-2 of the output's magnitude (``helpers.TOL``).
+stays as written and their experts alone are fused. Tolerances: fp32 1e-4, bf16 2e-2 of the output's magnitude
+(``helpers.TOL``).
 """
 from __future__ import annotations
 

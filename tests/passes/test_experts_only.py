@@ -163,3 +163,32 @@ def test_dynamic_token_counts():
             kwargs = _hash_inputs(tokens, seed=tokens)
             assert max_rel_diff(compiled(**kwargs), model(**kwargs)) <= TOL[torch.float32], tokens
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
+
+
+def test_with_ep_or_tp_groups_the_block_stays_with_a_reason(monkeypatch):
+    from moe_compile.passes.moe_pass import MoEFusionPass
+
+    monkeypatch.setattr(MoEFusionPass, "_groups", lambda self: {"ep_group": object()})
+    report, diff = explain_and_compare(_init(HashRoutedMoE()), _hash_inputs())
+    assert not report.rewritten and diff <= TOL[torch.float32], str(report)
+    ((_, reason),) = report.skipped
+    assert reason.endswith("the experts alone: experts-only rewrites do not shard experts over EP/TP groups yet")
+
+
+class _LookupNoExperts(nn.Module):
+    """Integer [T, k] ids gathering a linear's scores, and no experts: no block, nothing reported."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(CFG.hidden_size, 8, bias=False)
+        self.register_buffer("table", torch.randint(0, 8, (VOCAB, 2), generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x_BSD, token_ids_BS):
+        x_TD = x_BSD.reshape(-1, CFG.hidden_size)
+        picked_TK = self.proj(x_TD).gather(1, self.table[token_ids_BS.reshape(-1)])
+        return (x_TD * picked_TK.sum(dim=-1, keepdim=True)).view_as(x_BSD)
+
+
+def test_a_lookup_without_experts_is_not_reported():
+    report, diff = explain_and_compare(_LookupNoExperts().eval(), _hash_inputs())
+    assert diff <= TOL[torch.float32] and not report.blocks, str(report)
