@@ -210,10 +210,9 @@ def experts_reference(probe: RoutedProbe, num_experts: int, w13, w2, b13, b2, cf
 
 
 # -- matching ---------------------------------------------------------------------------------
-def _outputs(ctx, anchor: RoutedAnchor, scope: str) -> list[fx.Node]:
+def _outputs(ctx, anchor: RoutedAnchor, scope: str, order: dict) -> list[fx.Node]:
     """Floating nodes after the ids shaped like the block input (or with its tokens split [B, S, H])."""
     tokens, hidden = ctx.conc.shape(anchor.x)
-    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
     out = []
     for node in forward_slice(anchor.ids):
         v, shape = val(node), ctx.conc.shape(node)
@@ -225,12 +224,10 @@ def _outputs(ctx, anchor: RoutedAnchor, scope: str) -> list[fx.Node]:
     return out[:mt.MAX_OUTPUT_CANDIDATES]
 
 
-def _weight_candidates(ctx, anchor: RoutedAnchor, output: fx.Node) -> list[fx.Node]:
-    """Roots of floating ``[T, k]`` tensors the output reads that the router's scores make; 2-D ones first,
-    latest first."""
+def _weight_candidates(ctx, anchor: RoutedAnchor, output: fx.Node, order: dict, routed: set) -> list[fx.Node]:
+    """Roots of floating ``[T, k]`` tensors the output reads that the router's scores make (``routed``: what
+    the router matmul reaches); 2-D ones first, latest first."""
     tokens, k = ctx.conc.shape(anchor.x)[0], anchor.top_k
-    routed = forward_slice(anchor.logits)
-    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
     roots = set()
     for node in backward_slice([output], mt._family(anchor.x) | mt._family(anchor.ids)):
         v, shape = val(node), ctx.conc.shape(node)
@@ -243,10 +240,9 @@ def _weight_candidates(ctx, anchor: RoutedAnchor, output: fx.Node) -> list[fx.No
     return ranked[:MAX_WEIGHT_CANDIDATES]
 
 
-def _x_view(ctx, anchor: RoutedAnchor, output: fx.Node) -> fx.Node | None:
+def _x_view(ctx, anchor: RoutedAnchor, output: fx.Node, order: dict) -> fx.Node | None:
     """A view of the block input with the output's shape, computed before the output."""
     out_shape = ctx.conc.shape(output)
-    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
     views = [n for n in mt._family(anchor.x)
              if ctx.conc.shape(n) == out_shape and order.get(n, 1 << 60) < order[output]]
     views.sort(key=lambda n: (val(n).dtype != val(anchor.x).dtype, order[n]))
@@ -254,15 +250,17 @@ def _x_view(ctx, anchor: RoutedAnchor, output: fx.Node) -> fx.Node | None:
 
 
 def match_routed(ctx, anchor: RoutedAnchor, scope_list: list[str]) -> RoutedMatch | str:
-    reason = None
-    tried = []
+    order = {n: i for i, n in enumerate(ctx.graph.nodes)}
+    routed = forward_slice(anchor.logits)
+    reason, tried, first_weights = None, [], None
     for scope in scope_list:
-        for output in _outputs(ctx, anchor, scope):
+        for output in _outputs(ctx, anchor, scope, order):
             if output in tried:
                 continue
             tried.append(output)
-            for weights in _weight_candidates(ctx, anchor, output):
-                found = _match_output(ctx, anchor, output, weights, scope)
+            for weights in _weight_candidates(ctx, anchor, output, order, routed):
+                first_weights = first_weights or weights
+                found = _match_output(ctx, anchor, output, weights, scope, order)
                 if isinstance(found, RoutedMatch):
                     return found
                 reason = found or reason
@@ -270,14 +268,14 @@ def match_routed(ctx, anchor: RoutedAnchor, scope_list: list[str]) -> RoutedMatc
         return reason
     if not tried:
         return _NO_OUTPUT
-    weights = next((w for out in tried for w in _weight_candidates(ctx, anchor, out)), None)
+    weights = first_weights
     if weights is None:
         return _NO_WEIGHTS
     probe = make_probe(ctx, anchor, weights, 0)
     return mt.no_output_reason(ctx, anchor, probe, tried) if not isinstance(probe, str) else probe
 
 
-def _match_output(ctx, anchor: RoutedAnchor, output: fx.Node, weights: fx.Node, scope: str):
+def _match_output(ctx, anchor: RoutedAnchor, output: fx.Node, weights: fx.Node, scope: str, order: dict):
     probe = make_probe(ctx, anchor, weights, 0)
     if isinstance(probe, str):
         return probe
@@ -292,7 +290,7 @@ def _match_output(ctx, anchor: RoutedAnchor, output: fx.Node, weights: fx.Node, 
         reason = stress(ctx, anchor, output, weights, choice, real)
         if reason is not None:
             continue
-        x_view = _x_view(ctx, anchor, output)
+        x_view = _x_view(ctx, anchor, output, order)
         if x_view is None:
             return "the routed output is %s but the graph holds no view of the block input of that shape" % (
                 list(ctx.conc.shape(output)),)
@@ -320,10 +318,8 @@ def stress(ctx, anchor: RoutedAnchor, output, weights, choice, real) -> str | No
     if not all(check(ctx, anchor, output, weights, choice, real, t) for t in CONFIRM_TRIALS):
         return "the experts alone disagreed with the block on fresh probes"
     rounds = probes.num_coverage_probes(tokens, num_experts, k)
-    for i in range(rounds):
+    for i in range(rounds):  # consecutive ids per token: distinct, as k <= E
         ids = (torch.arange(tokens * k) + i * tokens * k).remainder(num_experts).reshape(tokens, k)
-        if k > 1 and num_experts < k:
-            break
         ok = check(ctx, anchor, output, weights, choice, real, 20 + i, ids=ids)
         if not ok:
             return ("with tokens sent to every expert in turn the block's output differs from fused_experts' (the "

@@ -26,6 +26,9 @@ from moe_compile.passes.graph import (
 log = logging.getLogger("moe_compile")
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 MAX_OUTPUT_CANDIDATES = 16
+# identify_routing's reasons when the block's routing is none of the op's (its experts may still be fused)
+ROUTING_UNMATCHED = "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+ROUTER_NOT_EVALUATED = "the router slice could not be evaluated on probe logits"
 ROUTING_TRIALS = 6
 ROUTING_PROBE_TOKENS = 48
 
@@ -214,7 +217,7 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
                 weight_nodes.append(node)
     results = _eval(ctx, probe, [anchor.ids] + weight_nodes)
     if results is None:
-        return "the router slice could not be evaluated on probe logits"
+        return ROUTER_NOT_EVALUATED
     got_ids, weight_values = results[0], results[1:]
     region = set(weight_nodes) | anchor.chain
     bias = None if anchor.bias is None else ctx.evaluator.run(
@@ -251,7 +254,7 @@ def identify_routing(ctx: GraphContext, anchor: rt.RouterAnchor, probe: Probe, s
             found.append(cfg)
     if found:
         return found
-    return "the router's expert choice or weights match no softmax/sigmoid top-k routing"
+    return ROUTING_UNMATCHED
 
 
 def _negative_score_trial(ctx: GraphContext, anchor: rt.RouterAnchor, bias) -> list:

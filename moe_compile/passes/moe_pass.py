@@ -108,7 +108,7 @@ class MoEFusionPass(_Base):
             if not ok:
                 match = "verify: the rewrite disagreed with the original subgraph on fresh random inputs"
         if isinstance(match, str):
-            if self.config.experts_only and match.startswith(_ROUTING_UNMATCHED):
+            if self.config.experts_only and match in (match_mod.ROUTING_UNMATCHED, match_mod.ROUTER_NOT_EVALUATED):
                 failed.append((anchor, path, match, weight_id))
                 return
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match,
@@ -245,10 +245,6 @@ def _block_path(node: fx.Node) -> str:
         stack = stack[:-1]
         path = parent_path(path) or ""
     return path
-
-
-# identify_routing's reasons: the block's routing is none of the op's (its experts may still be)
-_ROUTING_UNMATCHED = ("the router's expert choice or weights match no", "the router slice could not be evaluated")
 
 
 def _live(graph: fx.Graph) -> set[fx.Node]:

@@ -263,9 +263,10 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     with graph.inserting_before(out):
         choice = match.experts
         if groups:
-            w13, w2, b13, b2 = _sharded_weights(gm, match, values, groups, anchor.x)
+            weights = _sharded_weights(gm, match, values, groups, anchor.x)
         else:
-            w13, w2, b13, b2 = _op_weights(gm, choice, values, anchor.x)
+            weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, anchor.x)
+        w13, w2, b13, b2 = _autocast(graph, weights, choice.cast, anchor.x)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias
@@ -302,12 +303,12 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     return fused
 
 
-def _op_weights(gm: fx.GraphModule, choice, values: dict, template: fx.Node) -> list:
-    w13, w2, b13, b2 = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, template)
-    if choice.cast is not None:  # autocast: cast per call, as the block did (the op computes in it)
-        w13, w2, b13, b2 = (None if w is None else _call(gm.graph, torch.ops.prims.convert_element_type.default,
-                                                        (w, choice.cast), template) for w in (w13, w2, b13, b2))
-    return [w13, w2, b13, b2]
+def _autocast(graph: fx.Graph, weights: list, cast: torch.dtype | None, template: fx.Node) -> list:
+    """The op's weights cast per call to ``cast`` when the block computed in it (autocast), else as they are."""
+    if cast is None:
+        return list(weights)
+    return [None if w is None else _call(graph, torch.ops.prims.convert_element_type.default, (w, cast), template)
+            for w in weights]
 
 
 def _in_dtype(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, template: fx.Node) -> fx.Node:
@@ -327,11 +328,13 @@ def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict) ->
     graph = gm.graph
     out, anchor, experts = match.output, match.anchor, match.experts.config
     with graph.inserting_before(out):
-        w13, w2, b13, b2 = _op_weights(gm, match.experts, values, match.x_view)
+        choice = match.experts
+        weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, match.x_view)
+        w13, w2, b13, b2 = _autocast(graph, weights, choice.cast, match.x_view)
         act_dtype = val(w13).dtype
         x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)
         k = anchor.top_k
-        ids, weights = anchor.ids, match.weights
+        ids, weights = anchor.ids, match.weights  # the router's own [T, k] ids and weights
         if tuple(val(ids).shape[1:]) != (k,) or val(ids).dim() != 2:
             ids = _call(graph, aten.reshape.default, (ids, [-1, k]), ids)
         if tuple(val(weights).shape[1:]) != (k,) or val(weights).dim() != 2:
