@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.ops.activation import apply_activation as activation_reference
 from moe_compile.ops.config import Activation, ExpertsConfig
 
@@ -127,10 +128,10 @@ def activation(h: torch.Tensor, cfg: ExpertsConfig, out: torch.Tensor | None = N
     col_mult = 2 if interleaved else 1
     block_r, block_n = 8, 256
     grid = (cdiv(rows, block_r), cdiv(inter, block_n))
-    _act_kernel[grid](h, out, num_rows if num_rows is not None else h, rows, inter, h.stride(0), out.stride(0),
-                      up_off, col_mult, float(cfg.swiglu_alpha), float(cfg.swiglu_limit),
-                      GATED=gated, ACT=act_code(cfg), HAS_ROWS=num_rows is not None,
-                      BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
+    launch(_act_kernel, grid, h, out, num_rows if num_rows is not None else h, rows, inter, h.stride(0), out.stride(0),
+           up_off, col_mult, float(cfg.swiglu_alpha), float(cfg.swiglu_limit),
+           GATED=gated, ACT=act_code(cfg), HAS_ROWS=num_rows is not None,
+           BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4)
     return out
 
 

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, next_pow2
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.modular.slots import batched_slots
 
@@ -285,9 +286,9 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         if not _sort_fits(pairs, num_local):
             raise ValueError(f"method='sort' takes at most {(2 ** 31 - 1) // (e_pad + 1)} pairs with {num_local} "
                              f"local experts (int32 sort keys), but got {pairs} pairs; use method='two_launch'.")
-        _sort_align_kernel[(1,)](topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
-                                 HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad),
-                                 **pdl_launch(dev))
+        launch(_sort_align_kernel, (1,), topk_ids, ids_map, counts, sorted_pair, pos, offsets, pairs, num_local,
+               HAS_MAP=has_map, P_PAD=p_pad, E_PAD=e_pad, num_warps=_sort_warps(p_pad),
+               **pdl_launch(dev))
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     hidden = 0 if x is None else x.shape[1]
     block_h, chunk_h = (16, 0) if x is None else (max(16, min(256, next_pow2(hidden))), 512)
@@ -298,9 +299,9 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
             raise ValueError(f"method='blocks' takes at most a {BLOCKS_MAX_TABLE}-entry count table, but {pairs} "
                              f"pairs of {num_local} local experts need {nb_pad} x {e_pad}; use method='two_launch'.")
         table = torch.empty(nb, e_pad, dtype=torch.int32, device=dev)
-        _block_hist_kernel[(nb,)](topk_ids, ids_map, table, pairs, num_local, HAS_MAP=has_map, E_PAD=e_pad,
-                                  BLOCK=bblock, num_warps=4, **pdl_launch(dev))
-        _block_scatter_kernel[(nb, h_chunks)](
+        launch(_block_hist_kernel, (nb,), topk_ids, ids_map, table, pairs, num_local, HAS_MAP=has_map, E_PAD=e_pad,
+               BLOCK=bblock, num_warps=4, **pdl_launch(dev))
+        launch(_block_scatter_kernel, (nb, h_chunks),
             topk_ids, ids_map, table, counts, sorted_pair, pos, offsets,
             x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, nb,
             hidden, chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),
@@ -309,13 +310,13 @@ def align(topk_ids: torch.Tensor, num_local: int, expert_map: torch.Tensor | Non
         return Alignment(sorted_pair, pos, counts, offsets, x_sorted)
     rank = torch.empty(pairs, dtype=torch.int32, device=dev)
     grid = (cdiv(pairs, block),)
-    _count_kernel[grid](topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
-                        num_warps=4, **pdl_launch(dev))
+    launch(_count_kernel, grid, topk_ids, ids_map, counts, rank, pairs, num_local, HAS_MAP=has_map, BLOCK=block,
+           num_warps=4, **pdl_launch(dev))
     # with the row gather the copy is split over H too (chunks of 512 columns, a multiple of
     # block_h), so even a few hundred pairs fill the GPU
     scatter_block = max(16, min(block if x is None else 64, 8192 // e_pad))
     grid = (cdiv(pairs, scatter_block), h_chunks)
-    _scatter_kernel[grid](
+    launch(_scatter_kernel, grid,
         topk_ids, ids_map, counts, rank, sorted_pair, pos, offsets,
         x if x is not None else counts, x_sorted if x_sorted is not None else counts, pairs, num_local, hidden,
         chunk_h, 0 if x is None else x.stride(0), 0 if x_sorted is None else x_sorted.stride(0),

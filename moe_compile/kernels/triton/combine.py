@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, next_pow2
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 
 
@@ -87,12 +88,12 @@ def combine(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, *, p
     block_t, block_h, warps = blocks or combine_blocks(hidden)
     grid = (cdiv(num_tokens, block_t), cdiv(hidden, block_h))
     ids = topk_ids if topk_ids is not None else pos
-    _combine_kernel[grid](y, topk_weights, pos if pos is not None else ids, ids,
-                          expert_map if expert_map is not None else ids, out, num_tokens, hidden, num_local,
-                          rows.stride(0), out.stride(0), y.stride(0) if splits > 1 else 0, TOP_K=top_k,
-                          K_PAD=next_pow2(top_k),
-                          PAIR_ROWS=pos is None, HAS_MAP=expert_map is not None, WEIGHTED=weighted,
-                          BLOCK_T=block_t, BLOCK_H=block_h, SPLITS=splits, num_warps=warps, **pdl_launch(y.device))
+    launch(_combine_kernel, grid, y, topk_weights, pos if pos is not None else ids, ids,
+           expert_map if expert_map is not None else ids, out, num_tokens, hidden, num_local,
+           rows.stride(0), out.stride(0), y.stride(0) if splits > 1 else 0, TOP_K=top_k,
+           K_PAD=next_pow2(top_k),
+           PAIR_ROWS=pos is None, HAS_MAP=expert_map is not None, WEIGHTED=weighted,
+           BLOCK_T=block_t, BLOCK_H=block_h, SPLITS=splits, num_warps=warps, **pdl_launch(y.device))
     return out
 
 

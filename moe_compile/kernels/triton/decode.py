@@ -48,6 +48,7 @@ import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, interpreting, next_pow2
 from moe_compile.kernels.triton.activation import act_code, apply_act
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import apply_activation, intermediate_size
 from moe_compile.ops.config import ExpertsConfig
@@ -275,7 +276,7 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
     emap = expert_map if expert_map is not None else topk_ids
     final_n = min(1024, next_pow2(hidden))
     descs = _descriptors(w13, w2, block_i, block_k, block_n, interleaved=interleaved, inter=inter) if tma else None
-    _decode_kernel[(num_tokens * top_k * slices,)](
+    launch(_decode_kernel, (num_tokens * top_k * slices,),
         x, w13, w13_bias if w13_bias is not None else w13, w2, w2_bias if w2_bias is not None else w2,
         topk_ids, emap, topk_weights, acc, tickets, out, *(descs or (None, None)),
         hidden, inter, num_local, slices, w13.shape[2],
@@ -290,8 +291,8 @@ def decode_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.
         FENCE=not interpreting(), FINISH=finish == "ticket", num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x.device))
     if finish == "launch":
-        _finish_kernel[(num_tokens,)](acc, out, hidden, out.stride(0), FINAL_N=final_n, num_warps=4,
-                                      **pdl_launch(x.device))
+        launch(_finish_kernel, (num_tokens,), acc, out, hidden, out.stride(0), FINAL_N=final_n, num_warps=4,
+               **pdl_launch(x.device))
     return out
 
 

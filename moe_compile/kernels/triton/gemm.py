@@ -43,6 +43,7 @@ from moe_compile.kernels.triton.activation import act_code, apply_act
 from moe_compile.kernels.triton.gemm_layout import (
     _block_rows, _blocks_of, _expert_pid, _grouped_pid, _split_of, max_m_blocks,
 )
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import apply_activation
 from moe_compile.ops.config import ExpertsConfig
@@ -467,10 +468,10 @@ def moe_gemm(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_launch(a.device),
     )
-    _moe_gemm_kernel[grid](*args, **consts)
+    launch(_moe_gemm_kernel, grid, *args, **consts)
     if consts["MERGE_PASS"]:  # the merged last blocks: one program per (expert, N-block)
         consts.update(MERGE_PASS=2, PERSISTENT=False, FLATTEN=False, EXPERT_ORDER=False)
-        _moe_gemm_kernel[(num_local * cdiv(n_cols, cfg.block_n) * split_k,)](*args, **consts)
+        launch(_moe_gemm_kernel, (num_local * cdiv(n_cols, cfg.block_n) * split_k,), *args, **consts)
     return out
 
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
 from moe_compile.kernels.triton.activation import act_code, apply_act
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.activation import intermediate_size
 from moe_compile.ops.config import ExpertsConfig
@@ -162,7 +163,7 @@ def gemv_up(x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, config: 
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     emap = expert_map if expert_map is not None else topk_ids
     bn, bk, warps = up
-    _gemv_up_kernel[(pairs, cdiv(inter, bn))](
+    launch(_gemv_up_kernel, (pairs, cdiv(inter, bn)),
         x, w13, w13_bias if w13_bias is not None else w13, topk_ids, emap, act, w13.shape[1], inter, w13.shape[0],
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         0 if w13_bias is None else w13_bias.stride(0), 0 if w13_bias is None else w13_bias.stride(1), act.stride(0),
@@ -190,7 +191,7 @@ def gemv_down(act: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
         return out
     emap = expert_map if expert_map is not None else topk_ids
     bn, bk, warps = down
-    _gemv_down_kernel[(num_tokens, cdiv(hidden, bn))](
+    launch(_gemv_down_kernel, (num_tokens, cdiv(hidden, bn)),
         act, w2, w2_bias if w2_bias is not None else w2, topk_ids, emap, topk_weights, out, inter, hidden, num_local,
         act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2),
         0 if w2_bias is None else w2_bias.stride(0), 0 if w2_bias is None else w2_bias.stride(1), out.stride(0),

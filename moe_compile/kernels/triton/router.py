@@ -42,6 +42,7 @@ import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv, next_pow2
 from moe_compile.kernels.triton.gemm import num_programs
+from moe_compile.kernels.triton.launch import launch
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.routing import check_out_dtype, check_router_inputs, router_logits_reference
 
@@ -164,10 +165,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _gemm(x, weight, bias, out)
     block_t = next_pow2(num_tokens)
     block_h = min(next_pow2(hidden), max(512, 16384 // block_t))
-    _gemv_kernel[(num_experts,)](x, weight, bias if bias is not None else out, out, num_tokens, hidden,
-                                 x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                                 BLOCK_T=block_t, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=8,
-                                 **pdl_launch(x.device))
+    launch(_gemv_kernel, (num_experts,), x, weight, bias if bias is not None else out, out, num_tokens, hidden,
+           x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+           BLOCK_T=block_t, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=8,
+           **pdl_launch(x.device))
     return out
 
 
@@ -217,11 +218,11 @@ def _gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out:
     grid = (cdiv(num_tokens, block_t), cdiv(num_experts, block_e), splits)
     dest = out if splits == 1 else torch.empty(splits, num_tokens, num_experts, dtype=torch.float32,
                                                device=x.device)
-    _gemm_kernel[grid](x, weight, bias if bias is not None else out, dest, num_tokens, num_experts, hidden, h_per,
-                       x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
-                       SPLIT=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-                       BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64, OUT_BF16=out.dtype == torch.bfloat16,
-                       num_warps=4 if block_t <= 64 else 8, num_stages=3, **pdl_launch(x.device))
+    launch(_gemm_kernel, grid, x, weight, bias if bias is not None else out, dest, num_tokens, num_experts, hidden,
+           h_per, x.stride(0), weight.stride(0), dest.stride(-2), dest.stride(0) if splits > 1 else 0,
+           SPLIT=split, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+           BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_H=64, OUT_BF16=out.dtype == torch.bfloat16,
+           num_warps=4 if block_t <= 64 else 8, num_stages=3, **pdl_launch(x.device))
     if splits > 1:
         torch.sum(dest, 0, out=out)
     return out

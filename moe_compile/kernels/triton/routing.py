@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from moe_compile.kernels.triton import cdiv
+from moe_compile.kernels.triton.launch import launch as launch_kernel
 from moe_compile.kernels.triton.pdl import pdl_enter, pdl_launch
 from moe_compile.ops.config import RoutingConfig, RoutingMethod
 from moe_compile.ops.routing import select_experts as route_reference
@@ -206,7 +207,7 @@ def route(router_logits: torch.Tensor, cfg: RoutingConfig, e_score_correction_bi
     bias = e_score_correction_bias
     has_bias = bias is not None and not cfg.scoring_after_topk
     grid = (cdiv(num_tokens, block_t),)
-    _route_kernel[grid](
+    launch_kernel(_route_kernel, grid,
         router_logits, bias if has_bias else weights, weights, ids,
         num_tokens, groups, per_group, router_logits.stride(0), float(cfg.routed_scaling_factor), float(eps),
         TOP_K=cfg.top_k, K_PAD=_pow2(cfg.top_k), K_GROUP=cfg.k_group if cfg.grouped else 0,
