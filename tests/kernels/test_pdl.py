@@ -40,3 +40,15 @@ def test_env_switch_and_capability(monkeypatch):
     monkeypatch.setenv("MOE_COMPILE_PDL", "1")
     monkeypatch.setattr(pdl, "HAVE_GDC", False)  # a triton without the gdc intrinsics
     assert not pdl.pdl_enabled(torch.device("cuda", 0))
+
+
+def test_env_value_follows_os_environ(monkeypatch):
+    from moe_compile.kernels.triton import env_value, interpreting
+
+    monkeypatch.setenv("MOE_COMPILE_TEST_SWITCH", "on")
+    assert env_value("MOE_COMPILE_TEST_SWITCH", "off") == "on"
+    monkeypatch.delenv("MOE_COMPILE_TEST_SWITCH")
+    assert env_value("MOE_COMPILE_TEST_SWITCH", "off") == "off"
+    for value, expected in (("1", True), ("0", False), ("", False)):
+        monkeypatch.setenv("TRITON_INTERPRET", value)
+        assert interpreting() is expected

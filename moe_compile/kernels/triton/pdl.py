@@ -15,13 +15,12 @@ or ``False``) overrides it, for side-by-side benchmarks.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from moe_compile.kernels.triton import interpreting
+from moe_compile.kernels.triton import env_value, interpreting
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -48,14 +47,19 @@ def _capable(index: int) -> bool:
 def pdl_enabled(device: torch.device) -> bool:
     if FORCE is not None:
         return FORCE and HAVE_GDC and device.type == "cuda"
-    if device.type != "cuda" or interpreting() or not HAVE_GDC or os.environ.get("MOE_COMPILE_PDL", "1") == "0":
+    if device.type != "cuda" or interpreting() or not HAVE_GDC or env_value("MOE_COMPILE_PDL", "1") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_ON: dict = {"PDL": True, "launch_pdl": True}
+_OFF: dict = {}
+
+
 def pdl_launch(device: torch.device) -> dict:
-    """Launch keyword arguments: ``PDL`` (the kernel's constexpr) and ``launch_pdl`` where enabled."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {}
+    """Launch keyword arguments: ``PDL`` (the kernel's constexpr) and ``launch_pdl`` where enabled (a shared
+    dict: unpack it, do not change it)."""
+    return _ON if pdl_enabled(device) else _OFF
 
 
 @triton.jit
