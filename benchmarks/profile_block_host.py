@@ -17,7 +17,6 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,18 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_hash_layer import VOCAB, build  # noqa: E402
-
-
-def host_us(call, calls: int) -> float:
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
+from probe_launch import per_call_us  # noqa: E402
 
 
 def profile_table(call, forwards: int = 20) -> tuple[str, float, float]:
@@ -89,7 +77,7 @@ def main(argv=None) -> int:
             with torch.no_grad():
                 for _ in range(10):
                     call()
-                us = host_us(call, args.calls)
+                us = per_call_us(call, args.calls)
                 table, gpu_us, launches = profile_table(call)
                 text = f"{layer_type} M={args.m} {mode}: host {us:.1f} us per forward, GPU {gpu_us:.1f} us, " \
                        f"{launches:.1f} kernels per forward\n\n{table}\n"
