@@ -86,7 +86,9 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
 
     with tracking() as decisions:
         try:
-            return _compile_with_pass(gm, example_inputs, inner, config, decisions)
+            compiled = _compile_with_pass(gm, example_inputs, inner, config, decisions)
+            _hint_cuda_graphs(decisions, config, inner, _device_type(example_inputs))
+            return compiled
         except torch._dynamo.exc.RestartAnalysis:
             # Dynamo's own control flow (e.g. under dynamic=True, AOTAutograd asks it to trace the
             # frame again with some scalars specialised): not a failure; the retrace calls us again
@@ -111,6 +113,26 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         raise
     _blame_the_pass(decisions, failure)
     return compiled
+
+
+def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompiler, device_type: str) -> None:
+    """Say once, at INFO, that CUDA graphs pay off when MoE blocks were rewritten for CUDA without them: an eager
+    call of the fused op costs ~200-370 µs of host time on the H200's host at decode sizes against tens of µs of
+    kernels, so a compiled decode step without graphs is host-bound (``benchmarks/probe_launch.py``,
+    ``profile_block_host.py``; DeepSeek-V4's hash block at one token: 342.8 µs per forward with graphs, 1593.8
+    without, in one run of ``bench_hash_layer.py`` before the launch cache)."""
+    if inner is not InnerCompiler.INDUCTOR or device_type != "cuda" or "cuda_graphs" in _warned:
+        return
+    from torch._inductor import config as inductor_config
+
+    if config.compile_mode == "reduce-overhead" or inductor_config.triton.cudagraphs:
+        return
+    rewritten = sum(1 for d in decisions if d.rewritten)
+    if rewritten:
+        _warned.add("cuda_graphs")
+        log.info("moe_compile: %d MoE block(s) rewritten for CUDA without CUDA graphs; at a few tokens a step is "
+                 "bound by the host's launch work, which torch.compile(..., mode=\"reduce-overhead\") captures "
+                 "once (said once)", rewritten)
 
 
 def _blame_the_pass(decisions: list, exc: Exception) -> None:

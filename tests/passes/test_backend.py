@@ -220,3 +220,26 @@ def test_torchair_without_torch_npu_is_not_a_pass_failure():
     with torch.no_grad(), pytest.raises(Exception, match="needs torch_npu"):
         compiled(**zoo.build_inputs("qwen3_moe", num_tokens=5))
     assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
+
+
+def test_cuda_graphs_hint_said_once_when_cuda_blocks_are_rewritten_without_graphs(monkeypatch, caplog):
+    import dataclasses
+
+    from moe_compile import backend
+    from moe_compile.report import BlockDecision
+
+    monkeypatch.setattr(backend, "_warned", set())
+    rewritten, skipped = BlockDecision(path="layers.0.mlp", rewritten=True), BlockDecision(path="x", reason="no")
+    cfg = parse_options(None)
+    graphs = dataclasses.replace(cfg, compile_mode="reduce-overhead")
+    with caplog.at_level("INFO", logger="moe_compile"):
+        for args in (([skipped], cfg, InnerCompiler.INDUCTOR, "cuda"),  # nothing rewritten
+                     ([rewritten], cfg, InnerCompiler.INDUCTOR, "cpu"),
+                     ([rewritten], cfg, InnerCompiler.AOT_EAGER, "cuda"),
+                     ([rewritten], graphs, InnerCompiler.INDUCTOR, "cuda")):
+            backend._hint_cuda_graphs(*args)
+        assert "reduce-overhead" not in caplog.text
+        backend._hint_cuda_graphs([rewritten, skipped], cfg, InnerCompiler.INDUCTOR, "cuda")
+        backend._hint_cuda_graphs([rewritten], cfg, InnerCompiler.INDUCTOR, "cuda")
+    hints = [r for r in caplog.records if "reduce-overhead" in r.getMessage()]
+    assert len(hints) == 1 and "1 MoE block(s)" in hints[0].getMessage()
