@@ -105,7 +105,7 @@ def _values():
     ints = [0, 1, 2, 15, 16, 17, 32, 48, 2 ** 31 - 16, 2 ** 31 - 1, 2 ** 31, 2 ** 31 + 16, -16, -1, -(2 ** 31),
             -(2 ** 31) - 16, 2 ** 63 - 16, 2 ** 63, 2 ** 63 + 16]
     tensors = [t, t[1:], t[4:], t[8:], t.half(), t.half()[8:], t.bfloat16()[1:], t.int()]
-    return ints + tensors + [0.5, 2.0, True, False, None]
+    return ints + tensors + [0.0, 0.5, 1.0, -1.0, 16.0, 1e300, True, False, None]
 
 
 @pytest.mark.parametrize("a", range(len(_values())))

@@ -17,6 +17,9 @@ generated once per argument-type signature. A key seen before launches through t
 C launcher directly, with the constexprs appended as ``JITFunction.run`` passes them. A new key goes
 through ``kernel[grid]`` once (which compiles or finds the kernel, launches it and returns it).
 
+Triton's own compile-time knobs (``TRITON_DEBUG``, instrumentation) are not part of our key: a key keeps the kernel
+it first got; ``clear()`` forgets them after such a knob changes within a process.
+
 It takes ``kernel[grid]``'s path every time for an interpreted kernel (``TRITON_INTERPRET``), while
 Triton launch hooks are set (profilers such as proton), for argument types it has no key for, or with
 ``MOE_COMPILE_FAST_LAUNCH=0`` (``ENABLED``, for side-by-side measurements).
