@@ -193,10 +193,8 @@ class MoEFusionPass(_Base):
             return "the experts-only matcher raised %s: %s" % (type(exc).__name__, exc)
         if isinstance(match, str):
             return match
-        if self._groups():
-            return "experts-only rewrites do not shard experts over EP/TP groups yet"
         with unset_fake_temporarily():
-            rewrite_experts(gm, match, ctx.values, self.op_kwargs)
+            rewrite_experts(gm, match, ctx.values, self.op_kwargs, self._groups())
         self.rewritten += 1
         record(BlockDecision(
             path=path, router=match.router_kind(), experts=match.experts.form, num_experts=routed.num_experts,

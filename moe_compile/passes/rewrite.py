@@ -152,7 +152,7 @@ def emit_weights(gm: fx.GraphModule, sources: tuple, values: dict, template: fx.
             for s in sources]
 
 
-def _sharded_weights(gm, match: BlockMatch, values: dict, groups: dict, template: fx.Node):
+def _sharded_weights(gm, match, values: dict, groups: dict, template: fx.Node):
     """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice); the
     router and the selection bias stay global. Made from the model's weights by one
     ``moe_compile::stacked_weights`` call when they are graph inputs (so the shards follow them),
@@ -322,14 +322,19 @@ def _in_dtype(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, template: fx.Node
     return _call(graph, torch.ops.prims.convert_element_type.default, (x, dtype), template)
 
 
-def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict) -> fx.Node:
+def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, groups: dict | None = None) -> fx.Node:
     """An experts-only match (``experts_only.RoutedMatch``): the routed output becomes one
-    ``moe_compile::fused_experts`` node on the router's own ids and weights; the router stays."""
+    ``moe_compile::fused_experts`` node on the router's own ids and weights; the router stays (global: every
+    rank routes every token, as with ``rewrite_block``). ``groups``: this rank's share of the experts (EP) or of
+    their intermediate columns (TP), made as ``rewrite_block`` makes them."""
     graph = gm.graph
     out, anchor, experts = match.output, match.anchor, match.experts.config
     with graph.inserting_before(out):
         choice = match.experts
-        weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, match.x_view)
+        if groups:
+            weights = _sharded_weights(gm, match, values, groups, match.x_view)
+        else:
+            weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, match.x_view)
         w13, w2, b13, b2 = _autocast(graph, weights, choice.cast, match.x_view)
         act_dtype = val(w13).dtype
         x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)

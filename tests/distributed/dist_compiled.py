@@ -7,7 +7,8 @@ expert-parallel over 2 gloo ranks and matches eager. Run inside 2 spawned ranks:
   this rank's experts (``shard_experts_for_ep``), compiled with ``fullgraph=True``: logits match the
   unsharded eager model (fp32, rtol 1e-4, atol 1e-5) for the dynamic dispatcher (compiled) and
   the static and batched dispatchers (eager);
-- the same model through ``backend="moe_npu"`` with ``options={"ep_group": g}``.
+- the same model through ``backend="moe_npu"`` with ``options={"ep_group": g}``;
+- a hash-routed block (experts-only rewrite) through ``backend="moe_npu"`` with ``ep_group`` and ``tp_group``.
 """
 from __future__ import annotations
 
@@ -156,10 +157,64 @@ def _mixtral_backend() -> None:
             model.load_state_dict(saved)
 
 
+class HashRoutedBlock(torch.nn.Module):
+    """A hash-routed block (DeepSeek-V4's hash layers, hand-written): ids from a table by token id, weights the
+    router's softmax at those ids; gpt-fast's gather + einsum experts. The op has no routing for it, so the
+    backend rewrites the experts alone (``moe_compile::fused_experts``) and keeps the router."""
+
+    def __init__(self, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2, vocab: int = 40):
+        super().__init__()
+        from moe_compile.testing.blocks import GatherEinsumExperts, MoEBlockConfig
+
+        gen = torch.Generator().manual_seed(3)  # the same weights and table on every rank
+        self.hidden = hidden
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = GatherEinsumExperts(MoEBlockConfig(hidden_size=hidden, intermediate_size=inter,
+                                                          num_experts=experts, top_k=top_k))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+        self.register_buffer("table", torch.rand(vocab, experts, generator=gen).argsort(dim=1)[:, :top_k])
+
+    def forward(self, x, token_ids):
+        x_td = x.reshape(-1, self.hidden)
+        ids = self.table[token_ids.reshape(-1)]
+        weights = self.gate(x_td).softmax(dim=-1).gather(1, ids)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return torch.einsum("tkd,tk -> td", self.experts(x_td, ids), weights).view_as(x)
+
+
+def _experts_only_backend() -> None:
+    """The experts-only rewrite under ``ep_group`` / ``tp_group``: this rank's share of the experts, the hash
+    router global; matches the block eager, and the shards follow in-place weight updates."""
+    import moe_compile  # noqa: F401  (registers backend="moe_npu")
+
+    block = HashRoutedBlock().to(device())
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 32, generator=gen).to(device())
+    ids = torch.randint(0, 40, (2, 5), generator=gen).to(device())
+    saved = {k: v.clone() for k, v in block.state_dict().items()}
+    with torch.no_grad():
+        ref = block(x, ids)
+        for group in ("ep_group", "tp_group"):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(block, backend="moe_npu",
+                                     options={group: dist.group.WORLD, "inner_compiler": "aot_eager"})
+            torch.testing.assert_close(compiled(x, ids), ref, **TOL, msg=lambda m, g=group: f"{g}: {m}")
+            counters = torch._dynamo.utils.counters["moe_compile"]
+            assert counters["pass_failed"] == 0 and counters["rewritten"] == 1, (group, dict(counters))
+            block.experts.w2_EDF.mul_(1.5)
+            torch.testing.assert_close(compiled(x, ids), block(x, ids), **TOL,
+                                       msg=lambda m, g=group: f"{g} after an in-place update: {m}")
+            block.load_state_dict(saved)
+
+
 def compile_report(rank: int) -> dict:
     report = {}
     for name, fn in (("trace-ep", lambda: _one_node_trace("ep")), ("trace-tp", lambda: _one_node_trace("tp")),
-                     ("mixtral-ep", _mixtral_ep), (BACKEND_CASE, _mixtral_backend)):
+                     ("mixtral-ep", _mixtral_ep), (BACKEND_CASE, _mixtral_backend),
+                     ("experts-only-ep-tp", _experts_only_backend)):
         try:
             fn()
             report[name] = None

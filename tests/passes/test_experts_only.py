@@ -165,14 +165,24 @@ def test_dynamic_token_counts():
     assert torch._dynamo.utils.counters["moe_compile"]["rewritten"] == 1
 
 
-def test_with_ep_or_tp_groups_the_block_stays_with_a_reason(monkeypatch):
+def test_ep_and_tp_groups_reach_the_experts_only_rewrite(monkeypatch):
+    """The pass hands its EP/TP groups to the rewrite, which shards the experts as the full rewrite does (the
+    sharded numerics over two gloo ranks: ``tests/distributed/dist_compiled.py``, ``experts-only-ep-tp``)."""
+    from moe_compile.passes import moe_pass
     from moe_compile.passes.moe_pass import MoEFusionPass
 
-    monkeypatch.setattr(MoEFusionPass, "_groups", lambda self: {"ep_group": object()})
+    groups = {"ep_group": object()}
+    seen = []
+    real = moe_pass.rewrite_experts
+
+    def spy(gm, match, values, op_kwargs, groups=None):
+        seen.append(groups)
+        return real(gm, match, values, op_kwargs)  # unsharded: one process has no group to shard over
+
+    monkeypatch.setattr(MoEFusionPass, "_groups", lambda self: groups)
+    monkeypatch.setattr(moe_pass, "rewrite_experts", spy)
     report, diff = explain_and_compare(_init(HashRoutedMoE()), _hash_inputs())
-    assert not report.rewritten and diff <= TOL[torch.float32], str(report)
-    ((_, reason),) = report.skipped
-    assert reason.endswith("the experts alone: experts-only rewrites do not shard experts over EP/TP groups yet")
+    assert seen == [groups] and report.rewritten == [""] and diff <= TOL[torch.float32], str(report)
 
 
 class _LookupNoExperts(nn.Module):
