@@ -196,17 +196,17 @@ def _experts_only_backend() -> None:
     saved = {k: v.clone() for k, v in block.state_dict().items()}
     with torch.no_grad():
         ref = block(x, ids)
-        for group in ("ep_group", "tp_group"):
+        for inner, group in (("aot_eager", "ep_group"), ("aot_eager", "tp_group"), ("inductor", "ep_group")):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            compiled = torch.compile(block, backend="moe_npu",
-                                     options={group: dist.group.WORLD, "inner_compiler": "aot_eager"})
-            torch.testing.assert_close(compiled(x, ids), ref, **TOL, msg=lambda m, g=group: f"{g}: {m}")
+            options = {group: dist.group.WORLD, "inner_compiler": inner}
+            compiled = torch.compile(block, backend="moe_npu", options=options)
+            torch.testing.assert_close(compiled(x, ids), ref, **TOL, msg=lambda m, g=group: f"{inner} {g}: {m}")
             counters = torch._dynamo.utils.counters["moe_compile"]
-            assert counters["pass_failed"] == 0 and counters["rewritten"] == 1, (group, dict(counters))
+            assert counters["pass_failed"] == 0 and counters["rewritten"] == 1, (inner, group, dict(counters))
             block.experts.w2_EDF.mul_(1.5)
             torch.testing.assert_close(compiled(x, ids), block(x, ids), **TOL,
-                                       msg=lambda m, g=group: f"{g} after an in-place update: {m}")
+                                       msg=lambda m, g=group: f"{inner} {g} after an in-place update: {m}")
             block.load_state_dict(saved)
 
 
