@@ -87,8 +87,6 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
     with tracking() as decisions:
         try:
             compiled = _compile_with_pass(gm, example_inputs, inner, config, decisions)
-            _hint_cuda_graphs(decisions, config, inner, _device_type(example_inputs))
-            return compiled
         except torch._dynamo.exc.RestartAnalysis:
             # Dynamo's own control flow (e.g. under dynamic=True, AOTAutograd asks it to trace the
             # frame again with some scalars specialised): not a failure; the retrace calls us again
@@ -101,6 +99,9 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
                 forget(decisions)
                 raise
             failure = exc
+        else:
+            _hint_cuda_graphs(decisions, config, inner, _device_type(example_inputs))
+            return compiled
     try:
         compiled = _compile_plain(gm, example_inputs, inner, config)
     except Exception:
