@@ -14,6 +14,8 @@ These figures, each the mean of many calls on this CPU:
   model, on a call where no source changed (its version check; nineteenth session);
 - ``tuned-plan lookup``: the plan the CUDA experts look up on every call, cached as it runs and with
   the cache bypassed (twelfth session: the cache);
+- ``environment read``: ``os.environ.get`` against ``env_value`` (os.environ's own dict), which every launch
+  uses twice (interpreter and PDL switches; twenty-sixth session);
 - ``host helpers``: one call of ``triton.cdiv`` / ``triton.next_power_of_2`` against the plain
   ``cdiv`` / ``next_pow2`` the kernels' host code now uses (thirteenth session: Triton 3.9 made
   them constexpr functions costing ~2.5 µs a call; the op made about a dozen such calls);
@@ -124,7 +126,11 @@ def plan_lookup_figures() -> None:
 def helper_figures() -> None:
     import triton
 
-    from moe_compile.kernels.triton import cdiv, next_pow2
+    from moe_compile.kernels.triton import cdiv, env_value, next_pow2
+
+    plain = mean_us(lambda: os.environ.get("MOE_COMPILE_PDL", "1"), 20000)
+    ours = mean_us(lambda: env_value("MOE_COMPILE_PDL", "1"), 20000)
+    print(f"environment read: os.environ.get {plain:6.2f} us, env_value {ours:6.2f} us per call")
 
     for name, theirs, ours, args in (("cdiv", triton.cdiv, cdiv, (1000, 64)),
                                      ("next_power_of_2", triton.next_power_of_2, next_pow2, (1000,))):

@@ -261,12 +261,7 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     anchor = match.anchor
     routing, experts = match.routing, match.experts.config
     with graph.inserting_before(out):
-        choice = match.experts
-        if groups:
-            weights = _sharded_weights(gm, match, values, groups, anchor.x)
-        else:
-            weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, anchor.x)
-        w13, w2, b13, b2 = _autocast(graph, weights, choice.cast, anchor.x)
+        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, anchor.x)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias
@@ -303,6 +298,17 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     return fused
 
 
+def _expert_weights(gm: fx.GraphModule, match, values: dict, groups: dict | None, template: fx.Node) -> list:
+    """The op's ``(w13, w2, w13_bias, w2_bias)`` nodes for a block or experts-only match: this rank's shard under
+    ``groups``, else the whole stacked weights; cast per call where the block computed under autocast."""
+    choice = match.experts
+    if groups:
+        weights = _sharded_weights(gm, match, values, groups, template)
+    else:
+        weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, template)
+    return _autocast(gm.graph, weights, choice.cast, template)
+
+
 def _autocast(graph: fx.Graph, weights: list, cast: torch.dtype | None, template: fx.Node) -> list:
     """The op's weights cast per call to ``cast`` when the block computed in it (autocast), else as they are."""
     if cast is None:
@@ -330,12 +336,7 @@ def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, gr
     graph = gm.graph
     out, anchor, experts = match.output, match.anchor, match.experts.config
     with graph.inserting_before(out):
-        choice = match.experts
-        if groups:
-            weights = _sharded_weights(gm, match, values, groups, match.x_view)
-        else:
-            weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, match.x_view)
-        w13, w2, b13, b2 = _autocast(graph, weights, choice.cast, match.x_view)
+        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, match.x_view)
         act_dtype = val(w13).dtype
         x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)
         k = anchor.top_k
