@@ -8,8 +8,10 @@ Without CUDA the Triton kernels run under Triton's interpreter. The interpreter 
 before triton is first imported, and many tests import it indirectly (Inductor, the experts
 registry), so it is set here, once, for the whole session.
 """
+import logging
 import os
 
+import pytest
 import torch
 import torch._functorch.config
 import torch._inductor.config
@@ -29,3 +31,19 @@ def pytest_report_header(config):
 
     problem = interpreter_problem()
     return f"moe_compile: the Triton kernel tests will fail here: {problem}" if problem else None
+
+
+@pytest.fixture
+def moe_log(caplog, monkeypatch):
+    """``caplog`` for the ``moe_compile`` logger, at INFO. Once the backend registers that logger with
+    torch._logging it does not propagate, so caplog's root handler would see nothing; before that it
+    does, and a handler of its own would see each record twice. Pinning ``propagate=False`` and attaching
+    caplog's handler makes a test's records the same whichever tests ran before it in its worker."""
+    logger = logging.getLogger("moe_compile")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="moe_compile"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

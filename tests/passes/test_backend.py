@@ -1,7 +1,6 @@
 """The backend: registration by name, options parsing, fallbacks, training graphs."""
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import sys
@@ -223,8 +222,10 @@ def test_torchair_without_torch_npu_is_not_a_pass_failure():
     assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
 
 
-def test_cuda_graphs_hint_said_once_when_cuda_blocks_are_rewritten_without_graphs(monkeypatch, caplog):
+def test_cuda_graphs_hint_said_once_when_cuda_blocks_are_rewritten_without_graphs(monkeypatch, moe_log):
     import dataclasses
+
+    from torch._inductor import config as inductor_config
 
     from moe_compile import backend
     from moe_compile.report import BlockDecision
@@ -233,24 +234,14 @@ def test_cuda_graphs_hint_said_once_when_cuda_blocks_are_rewritten_without_graph
     rewritten, skipped = BlockDecision(path="layers.0.mlp", rewritten=True), BlockDecision(path="x", reason="no")
     cfg = parse_options(None)
     graphs = dataclasses.replace(cfg, compile_mode="reduce-overhead")
-    # torch._logging owns the "moe_compile" logger once the backend registers it (propagate=False): caplog's
-    # handler goes on it directly, and whether an earlier test in this worker registered it decides nothing
-    logger = logging.getLogger("moe_compile")
-    monkeypatch.setattr(logger, "propagate", False)
-    logger.addHandler(caplog.handler)
-    from torch._inductor import config as inductor_config
-
-    try:
-        with caplog.at_level("INFO", logger="moe_compile"), inductor_config.patch({"triton.cudagraphs": False}):
-            for args in (([skipped], cfg, InnerCompiler.INDUCTOR, "cuda"),  # nothing rewritten
-                         ([rewritten], cfg, InnerCompiler.INDUCTOR, "cpu"),
-                         ([rewritten], cfg, InnerCompiler.AOT_EAGER, "cuda"),
-                         ([rewritten], graphs, InnerCompiler.INDUCTOR, "cuda")):
-                backend._hint_cuda_graphs(*args)
-            assert "reduce-overhead" not in caplog.text
-            backend._hint_cuda_graphs([rewritten, skipped], cfg, InnerCompiler.INDUCTOR, "cuda")
-            backend._hint_cuda_graphs([rewritten], cfg, InnerCompiler.INDUCTOR, "cuda")
-    finally:
-        logger.removeHandler(caplog.handler)
-    hints = [r for r in caplog.records if "reduce-overhead" in r.getMessage()]
+    with inductor_config.patch({"triton.cudagraphs": False}):
+        for args in (([skipped], cfg, InnerCompiler.INDUCTOR, "cuda"),  # nothing rewritten
+                     ([rewritten], cfg, InnerCompiler.INDUCTOR, "cpu"),
+                     ([rewritten], cfg, InnerCompiler.AOT_EAGER, "cuda"),
+                     ([rewritten], graphs, InnerCompiler.INDUCTOR, "cuda")):
+            backend._hint_cuda_graphs(*args)
+        assert "reduce-overhead" not in moe_log.text
+        backend._hint_cuda_graphs([rewritten, skipped], cfg, InnerCompiler.INDUCTOR, "cuda")
+        backend._hint_cuda_graphs([rewritten], cfg, InnerCompiler.INDUCTOR, "cuda")
+    hints = [r for r in moe_log.records if "reduce-overhead" in r.getMessage()]
     assert len(hints) == 1 and "1 MoE block(s)" in hints[0].getMessage()
