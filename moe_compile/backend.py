@@ -252,8 +252,9 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
         moe_pass(graph)
         after = graph.python_code("self").src
         _graphs_done(config, before, after)
+        inlined = config.cpu_decode and _inline_cpu_decode(graph)
         _no_partitions_for_data_dependent_graphs(graph)
-        hook.touched = touched or after != before or inductor_config.graph_partition != partitions
+        hook.touched = touched or after != before or inlined or inductor_config.graph_partition != partitions
 
     uncached = compile_cache.uncached_reason(config)
     uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, gm, example_inputs)
@@ -275,6 +276,14 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
         else:
             _replay(compile_cache.load(uuid, example_inputs))
     return compiled
+
+
+def _inline_cpu_decode(graph) -> bool:
+    """The CPU's few-token fused-op nodes as gather-GEMVs that Inductor compiles with the graph
+    (``lowering/cpu_decode.py``); whether any was."""
+    from moe_compile.lowering.cpu_decode import inline_cpu_decode
+
+    return graph.owning_module is not None and inline_cpu_decode(graph.owning_module) > 0
 
 
 def _replay(stored) -> None:

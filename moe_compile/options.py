@@ -28,6 +28,7 @@ class BackendConfig:
     exclude_classes: tuple[type, ...] = ()
     verify: bool = False
     experts_only: bool = True  # routers the op cannot express stay; their experts become fused_experts
+    cpu_decode: bool = True  # CPU + Inductor, fixed few tokens: the experts as gather-GEMVs in the graph
     torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
@@ -50,6 +51,9 @@ VALID_OPTIONS = {
     "verify": "a bool",
     "experts_only": "a bool (default True): where the op has no routing for a block's router, keep the router "
                     "as written and rewrite its experts alone into moe_compile::fused_experts",
+    "cpu_decode": "a bool (default True): on the CPU under Inductor, a graph whose token count is fixed and whose "
+                  "top-k pairs are no more than the experts computes the experts as gather-GEMVs that Inductor "
+                  "compiles with the graph, instead of calling the op",
     "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
@@ -110,7 +114,7 @@ def parse_options(options: dict | None) -> BackendConfig:
         kwargs["torchair_mode"] = parse_enum(TorchairMode, options["torchair_mode"], "options['torchair_mode']")
     if "exclude" in options:
         kwargs["exclude_paths"], kwargs["exclude_classes"] = _exclude(options["exclude"])
-    for name in ("verify", "experts_only"):
+    for name in ("verify", "experts_only", "cpu_decode"):
         if name in options:
             if not isinstance(options[name], bool):
                 raise TypeError("options[%r] must be a bool, but got %r" % (name, options[name]))
