@@ -1,13 +1,16 @@
 """One MoE layer on the CPU: our op (CPU lowering) and the block under ``backend="moe_npu"`` vs
-the HF block eager and under torch.compile (inductor), side by side in one run.
+the HF block eager and under torch.compile (inductor), side by side in one run; each compiled column
+with ``dynamic=True`` (one graph for all token counts) and ``dynamic=False`` (a graph per count).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_cpu_layer.py [--ms 1 4 32 256] [--out benchmarks/results]
 
 The HF block is transformers' Qwen3-MoE block (``experts_implementation="grouped_mm"``) at a
 scaled-down Qwen3-30B-A3B shape (E=64, top-8, H=1024, I=384, fp32), random weights. *Ours* is the
 router linear + ``moe_compile.fused_moe`` called eagerly on transposed views of the block's own
-weights; *moe_npu* is ``torch.compile(block, backend="moe_npu")``, what a user runs. Each rep calls
-the four columns in turn, first one then the next, each on a new input (so the experts hit
+weights; *moe_npu* is ``torch.compile(block, backend="moe_npu")``, what a user runs: with a fixed
+token count of at most 2 top-k pairs per expert its experts compile into gather-GEMVs
+(``moe_compile/lowering/cpu_decode.py``; ``cpu_decode_graphs`` counts the graphs that took it, so
+far). Each rep calls the columns in turn, first one then the next, each on a new input (so the experts hit
 change, as from one decode step to the next, and no call finds the one before it's experts in the
 cache); times are wall-clock medians. Outputs are compared with the eager block.
 """
@@ -87,26 +90,32 @@ def main(argv=None) -> int:
         return (out[0] if isinstance(out, tuple) else out).squeeze(0)
     import moe_compile  # noqa: F401  (registers the backend)
 
-    inductor = torch.compile(hf, dynamic=True)
-    moe_npu = torch.compile(hf, backend="moe_npu", dynamic=True)
-    fns = dict(ours=ours(block), moe_npu=moe_npu, hf_eager=hf, hf_inductor=inductor)
+    torch._dynamo.utils.counters.clear()
+    # dynamic=True: one graph for every token count (the op's own CPU path); dynamic=False: a graph per
+    # token count, where a fixed count of few tokens takes the gather-GEMV path (lowering/cpu_decode.py)
+    fns = dict(ours=ours(block), moe_npu=torch.compile(hf, backend="moe_npu", dynamic=True),
+               moe_npu_static=torch.compile(hf, backend="moe_npu", dynamic=False),
+               hf_eager=hf, hf_inductor=torch.compile(hf, dynamic=True),
+               hf_inductor_static=torch.compile(hf, dynamic=False))
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(args.ms))
     rows = []
-    print(f"{'M':>6}{'ours ms':>10}{'moe_npu ms':>12}{'HF eager ms':>13}{'HF ind. ms':>12}{'eager/ours':>12}"
-          f"{'eager/moe_npu':>15}{'ind./moe_npu':>14}{'err':>10}")
+    names = list(fns)
+    print(f"{'M':>5}" + "".join(f"{n + ' ms':>21}" for n in names) + f"{'eager/moe_npu_static':>22}"
+          f"{'ind_static/moe_npu_static':>27}{'err':>9}")
     with torch.no_grad():
         for m in args.ms:
             gen = torch.Generator().manual_seed(m)
             inputs = [torch.randn(m, HIDDEN, generator=gen) for _ in range(17)]
             ref = hf(inputs[0])
-            err = max(((fns[name](inputs[0]) - ref).norm() / ref.norm()).item() for name in ("ours", "moe_npu"))
+            err = max(((fns[name](inputs[0]) - ref).norm() / ref.norm()).item()
+                      for name in ("ours", "moe_npu", "moe_npu_static"))
             ms = interleaved_ms(fns, inputs, args.reps)
-            row = dict(M=m, ours_ms=ms["ours"], moe_npu_ms=ms["moe_npu"], hf_eager_ms=ms["hf_eager"],
-                       hf_inductor_ms=ms["hf_inductor"], rel_err=err)
+            row = dict(M=m, **{f"{n}_ms": ms[n] for n in names}, rel_err=err,
+                       cpu_decode_graphs=torch._dynamo.utils.counters["moe_compile"]["cpu_decode"])
             rows.append(row)
-            print(f"{m:>6}{row['ours_ms']:>10.3f}{row['moe_npu_ms']:>12.3f}{row['hf_eager_ms']:>13.3f}"
-                  f"{row['hf_inductor_ms']:>12.3f}{row['hf_eager_ms'] / row['ours_ms']:>12.2f}"
-                  f"{row['hf_eager_ms'] / row['moe_npu_ms']:>15.2f}{row['hf_inductor_ms'] / row['moe_npu_ms']:>14.2f}"
-                  f"{err:>10.1e}", flush=True)
+            print(f"{m:>5}" + "".join(f"{ms[n]:>21.3f}" for n in names)
+                  + f"{ms['hf_eager'] / ms['moe_npu_static']:>22.2f}"
+                  + f"{ms['hf_inductor_static'] / ms['moe_npu_static']:>27.2f}{err:>9.1e}", flush=True)
     if args.out:
         meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), shape=dict(
             hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K), argv=sys.argv)
