@@ -76,6 +76,7 @@ def test_demo_reports_rewrite_difference_and_times(capsys):
     assert "max |compiled - eager| =" in out and "eager" in out and "compiled" in out
     diff = float(out.split("max |compiled - eager| = ")[1].split()[0])
     assert diff <= 1e-4
+    assert "CPU decode: 2 fused MoE node(s)" in out  # 4 tokens x top-2 of 8 experts: the gather-GEMV path
 
 
 def test_selfcheck_without_an_npu_says_why(capsys):
