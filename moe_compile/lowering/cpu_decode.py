@@ -3,7 +3,7 @@
 At decode sizes each expert the router picks sees one or two rows. The op's CPU path then runs one
 ``torch.mm`` per expert, and MKL's GEMM for so few rows reads the weights at about half the rate the
 memory gives a batched kernel (``python benchmarks/bench_cpu_gemv.py``). So where a graph's token
-count is fixed and its top-k pairs are no more than the experts, the backend puts this module's
+count is fixed and its top-k pairs number at most twice the experts, the backend puts this module's
 torch code in place of each fused-op node before Inductor lowers the graph: the routing as the op
 computes it, then for every (token, k) pair ``h = x · W13[id]``, the activation and ``y = a · W2[id]``,
 each written as a gather feeding a reduction. Inductor fuses each into one kernel that reads the
@@ -33,8 +33,9 @@ from moe_compile.ops.config import ExpertsConfig
 log = logging.getLogger("moe_compile")
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# pairs per expert up to which the gather-GEMVs win: 2.1-2.5x at 1/64 to 1 (M = 1..8 of the
-# benchmark's E = 64, top-8 layer), 1.5x at 2, 0.86x at 4 (2 cores, fp32; results README)
+# top-k pairs per expert up to which the gather-GEMVs win (bench_cpu_layer.py, E = 64, top-8, 2 cores, fp32):
+# 2.2-2.6x HF eager at 1/8 to 1 (M = 1..8), 2.2x at 2 (M = 16), 0.98x at 4 (M = 32), where a pair
+# re-reading its expert costs more than MKL's slower rows; results README, twenty-seventh session
 PAIRS_PER_EXPERT = 2
 
 
@@ -138,8 +139,8 @@ def skip_reason(bound: dict) -> str | None:
     top_k = vals["topk_ids"].shape[-1] if "topk_ids" in vals else bound["top_k"]
     pairs = x.numel() // x.shape[-1] * top_k
     if pairs > PAIRS_PER_EXPERT * w13.shape[0]:
-        return (f"{pairs} top-k pairs > {PAIRS_PER_EXPERT} x {w13.shape[0]} experts (a pair reads its expert's weights; "
-                f"past that the op's grouped GEMMs, which read each expert once, are faster)")
+        return (f"{pairs} top-k pairs > {PAIRS_PER_EXPERT} x {w13.shape[0]} experts (a pair reads its expert's "
+                f"weights; past that the op's grouped GEMMs, which read each expert once, are faster)")
     return None
 
 
