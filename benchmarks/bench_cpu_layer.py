@@ -2,10 +2,10 @@
 the HF block eager and under torch.compile (inductor), side by side in one run; each compiled column
 with ``dynamic=True`` (one graph for all token counts) and ``dynamic=False`` (a graph per count).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_cpu_layer.py [--ms 1 4 32 256] [--out benchmarks/results]
+    OMP_NUM_THREADS=2 python benchmarks/bench_cpu_layer.py [--ms 1 4 32 256] [--dtype bfloat16] [--out DIR]
 
 The HF block is transformers' Qwen3-MoE block (``experts_implementation="grouped_mm"``) at a
-scaled-down Qwen3-30B-A3B shape (E=64, top-8, H=1024, I=384, fp32), random weights. *Ours* is the
+scaled-down Qwen3-30B-A3B shape (E=64, top-8, H=1024, I=384, fp32 or ``--dtype``), random weights. *Ours* is the
 router linear + ``moe_compile.fused_moe`` called eagerly on transposed views of the block's own
 weights; *moe_npu* is ``torch.compile(block, backend="moe_npu")``, what a user runs: with a fixed
 token count of at most 2 top-k pairs per expert its experts compile into gather-GEMVs
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 HIDDEN, INTER, EXPERTS, TOP_K = 1024, 384, 64, 8
 
 
-def build_block():
+def build_block(dtype: torch.dtype = torch.float32):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
@@ -43,7 +43,7 @@ def build_block():
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0.0, p.shape[-1] ** -0.5)
-    return block
+    return block.to(dtype)
 
 
 def ours(block):
@@ -81,9 +81,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ms", nargs="+", type=int, default=[1, 4, 32, 256])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    block = build_block()
+    dtype = getattr(torch, args.dtype)
+    block = build_block(dtype)
 
     def hf(x):
         out = block(x.unsqueeze(0))
@@ -108,9 +110,9 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for m in args.ms:
             gen = torch.Generator().manual_seed(m)
-            inputs = [torch.randn(m, HIDDEN, generator=gen) for _ in range(17)]
+            inputs = [torch.randn(m, HIDDEN, generator=gen).to(dtype) for _ in range(17)]
             ref = hf(inputs[0])
-            err = max(((fns[name](inputs[0]) - ref).norm() / ref.norm()).item()
+            err = max(((fns[name](inputs[0]).float() - ref.float()).norm() / ref.float().norm()).item()
                       for name in ("ours", "moe_npu", "moe_npu_static"))
             ms = interleaved_ms(fns, inputs, args.reps)
             row = dict(M=m, **{f"{n}_ms": ms[n] for n in names}, rel_err=err,
@@ -120,10 +122,11 @@ def main(argv=None) -> int:
                   + f"{ms['hf_eager'] / ms['moe_npu_static']:>22.2f}"
                   + f"{ms['hf_inductor_static'] / ms['moe_npu_static']:>27.2f}{err:>9.1e}", flush=True)
     if args.out:
-        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), shape=dict(
+        meta = dict(torch=torch.__version__, threads=torch.get_num_threads(), dtype=args.dtype, shape=dict(
             hidden=HIDDEN, inter=INTER, experts=EXPERTS, top_k=TOP_K), argv=sys.argv)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "cpu_layer.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        name = "cpu_layer.json" if dtype == torch.float32 else f"cpu_layer_{args.dtype}.json"
+        (Path(args.out) / name).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return 0
 
 
