@@ -9,8 +9,9 @@ random weights, bf16 on CUDA, ``experts_implementation="grouped_mm"``. Sizes: ``
 sequence of 2048 tokens, ``decode`` is 32 sequences of one token (a forward without KV cache:
 M = 32 tokens through each MoE layer), ``decode1`` (not run by default) one sequence of one token. For each mode: the compile time (first call, which
 compiles) and the median time of a steady-state forward (CUDA events; no CUDA graphs in any mode).
-The moe_npu rows also give the number of MoE blocks the pass rewrote and the logits' error
-against eager. Prints a table; writes ``e2e.json`` under ``--out``. ``--tiny`` shrinks every
+The moe_npu rows also give the number of MoE blocks the pass rewrote, how many calls replayed the
+op's own CUDA graphs (``moe_compile/lowering/op_graphs.py``; mode ``moe_npu-plain`` turns them off) and the
+logits' error against eager. Prints a table; writes ``e2e.json`` under ``--out``. ``--tiny`` shrinks every
 dimension (a CPU smoke run: ``--tiny --device cpu``).
 """
 from __future__ import annotations
@@ -118,6 +119,7 @@ def timed(fn, reps: int, device: str) -> float:
 
 def run_model(name: str, args) -> list[dict]:
     import moe_compile  # noqa: F401  (registers backend="moe_npu")
+    from moe_compile.lowering import op_graphs
 
     model = build(name, args.layers, args.tiny, args.device)
     rows = []
@@ -129,6 +131,8 @@ def run_model(name: str, args) -> list[dict]:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         graphs = "reduce-overhead" if mode.endswith("-cg") else None  # CUDA graphs
+        op_graphs.clear()
+        op_graphs.configure(enabled=mode != "moe_npu-plain")
         if mode == "eager":
             fn = model
         elif mode.startswith("inductor"):
@@ -164,6 +168,7 @@ def run_model(name: str, args) -> list[dict]:
                 row["rel_err_vs_eager"] = ((logits.float() - ref).norm() / ref.norm()).item()
             if mode.startswith("moe_npu"):
                 row["moe_blocks_rewritten"] = int(torch._dynamo.utils.counters["moe_compile"]["rewritten"])
+                row["op_graph_replays"] = op_graphs.STATS["replayed"]
             rows.append(row)
             print(format_row(row, rows), flush=True)
     del model
@@ -190,8 +195,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
     parser.add_argument("--modes", nargs="+", default=["eager", "inductor", "moe_npu"],
-                        choices=["eager", "inductor", "moe_npu", "inductor-cg", "moe_npu-cg"],
-                        help="-cg: torch.compile(mode='reduce-overhead'), i.e. CUDA graphs")
+                        choices=["eager", "inductor", "moe_npu", "inductor-cg", "moe_npu-cg", "moe_npu-plain"],
+                        help="-cg: torch.compile(mode='reduce-overhead'), i.e. CUDA graphs; -plain: moe_npu "
+                             "with the op's own CUDA graphs off (MOE_COMPILE_OP_GRAPHS=0)")
     parser.add_argument("--json-name", default="e2e.json")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda")

@@ -8,6 +8,9 @@ Stages (``StagedLowering``'s, with faster kernels):
   ``kernels/triton/experts.py``) writing the layer output, with no modular-kernel copies;
 - distributed: the modular kernel from ``make_distributed_kernel`` with ``TritonExperts``.
 
+Single-device calls of up to 256 tokens outside an outer CUDA graph replay a CUDA graph of the op's
+kernels from the second call of the same shapes on (``op_graphs.py``; ``MOE_COMPILE_OP_GRAPHS=0``: off).
+
 Anything the Triton kernels cannot run falls back to the portable torch stages, logging the reason
 once and counting it in ``FALLBACKS``. Triton is imported only when a stage needs it, so
 ``import moe_compile`` works without it.
@@ -19,6 +22,7 @@ import logging
 
 import torch
 
+from moe_compile.lowering import op_graphs
 from moe_compile.lowering.base import MoEInputs, StagedLowering
 from moe_compile.ops.config import MoEConfig, RoutingConfig
 
@@ -90,6 +94,11 @@ class CudaLowering(StagedLowering):
         distributed = cfg.parallel.tp_group_name or cfg.parallel.ep_group_name
         if distributed or self.experts_unsupported(inputs):
             return super().run(inputs, cfg)  # make_experts logs the reason
+        out = op_graphs.run(inputs, cfg, self.run_single)
+        return self.run_single(inputs, cfg) if out is None else out
+
+    def run_single(self, inputs: MoEInputs, cfg: MoEConfig) -> torch.Tensor:
+        """One device, the Triton kernels (``run`` checked both): what ``op_graphs`` captures."""
         from moe_compile.kernels.triton.experts import fused_experts
 
         x_TH, logits_TE = self.prepare(inputs)

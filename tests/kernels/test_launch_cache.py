@@ -15,6 +15,14 @@ CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 
 
+@pytest.fixture(autouse=True)
+def no_op_graphs(monkeypatch):
+    """Every call here launches its kernels (a replay of the op's own CUDA graph would launch none)."""
+    from moe_compile.lowering import op_graphs
+
+    monkeypatch.setattr(op_graphs.SETTINGS, "enabled", False)
+
+
 def _toy_fn(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
     pass
 
