@@ -20,6 +20,7 @@ what the pass recorded in that attempt is forgotten.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import sys
@@ -101,7 +102,7 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
             failure = exc
         else:
             _hint_cuda_graphs(decisions, config, inner, _device_type(example_inputs))
-            return compiled
+            return _without_op_graphs(compiled, config, inner, _device_type(example_inputs))
     try:
         compiled = _compile_plain(gm, example_inputs, inner, config)
     except Exception:
@@ -132,8 +133,29 @@ def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompil
     if rewritten:
         _warned.add("cuda_graphs")
         log.info("moe_compile: %d MoE block(s) rewritten for CUDA without CUDA graphs; at a few tokens a step is "
-                 "bound by the host's launch work, which torch.compile(..., mode=\"reduce-overhead\") captures "
-                 "once (said once)", rewritten)
+                 "bound by the host's launch work: the fused op replays a CUDA graph of its own kernels from its "
+                 "second call of a shape on, the rest of the step does not; torch.compile(..., "
+                 "mode=\"reduce-overhead\") captures the whole step (said once)", rewritten)
+
+
+def _without_op_graphs(compiled, config: BackendConfig, inner: InnerCompiler, device_type: str):
+    """A graph Inductor runs through CUDA graphs runs with the fused op's own graphs suspended
+    (``lowering/op_graphs.py``): its replays skip the op's Python anyway, and its warm-up runs must not
+    capture graphs of ours."""
+    if inner is not InnerCompiler.INDUCTOR or device_type != "cuda":
+        return compiled
+    from torch._inductor import config as inductor_config
+
+    if config.compile_mode != "reduce-overhead" and not inductor_config.triton.cudagraphs:
+        return compiled
+    from moe_compile.lowering.op_graphs import suspended
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with suspended():
+            return compiled(*args, **kwargs)
+
+    return run
 
 
 def _blame_the_pass(decisions: list, exc: Exception) -> None:

@@ -18,7 +18,8 @@ call copies its per-call tensors in, replays the graph and returns a copy of the
 (never the graph's own buffer, which the next replay overwrites).
 
 Only single-device CUDA calls of at most ``max_tokens`` tokens are graphed, never while a stream is
-capturing (an outer CUDA graph, e.g. ``reduce-overhead``, records the op's kernels itself). At most
+capturing (an outer CUDA graph records the op's kernels itself) nor inside ``suspended()`` (the backend
+runs graphs it compiled with ``mode="reduce-overhead"`` in one: see there). At most
 ``max_graphs`` graphs are kept (least recently used first out), sharing one memory pool per device
 and stream. A capture that fails is logged once, and that key runs without a graph from then on.
 ``MOE_COMPILE_OP_GRAPHS=0`` turns graphs off (read at import; ``configure(enabled=False)`` at run time).
@@ -26,9 +27,11 @@ and stream. A capture that fails is logged once, and that key runs without a gra
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -57,6 +60,7 @@ class _Entry:
     static_out: torch.Tensor
 
 
+_LOCAL = threading.local()  # depth: suspended() blocks entered on this thread
 _GRAPHS: collections.OrderedDict = collections.OrderedDict()
 _SEEN: collections.OrderedDict = collections.OrderedDict()
 _FAILED: set = set()
@@ -86,6 +90,18 @@ def clear() -> None:
     _FAILED.clear()
     _POOLS.clear()
     STATS.clear()
+
+
+@contextlib.contextmanager
+def suspended():
+    """No graphs of ours on this thread inside the block: the backend runs graphs compiled with CUDA graphs
+    (``reduce-overhead``) in one, as their warm-up runs are eager, not capturing, and route this thread's
+    allocations to their own memory pool, where a capture of ours does not belong."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
 
 
 def graphs() -> int:
@@ -120,6 +136,8 @@ def skip_reason(inputs, cfg) -> str:
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tokens == 0 or tokens > SETTINGS.max_tokens:
         return "tokens"
+    if getattr(_LOCAL, "depth", 0):
+        return "suspended"
     if torch.cuda.is_current_stream_capturing():
         return "capturing"
     return ""
@@ -214,4 +232,5 @@ def _replay(entry: _Entry, inputs) -> torch.Tensor:
         return entry.static_out.clone()
 
 
-__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "graphs", "run", "skip_reason"]
+__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "graphs", "run", "skip_reason",
+           "suspended"]

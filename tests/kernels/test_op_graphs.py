@@ -259,3 +259,36 @@ def test_bookkeeping_counts_captures_evicts_and_remembers_failures(monkeypatch):
     assert op_graphs.call_key(moved, cfg, 0, 0) != op_graphs.call_key(inputs, cfg, 0, 0)
     fresh = MoEInputs(inputs.hidden_states.clone(), inputs.router_logits.clone(), inputs.weights)
     assert op_graphs.call_key(fresh, cfg, 0, 0) == op_graphs.call_key(inputs, cfg, 0, 0)
+
+
+def test_the_backend_suspends_op_graphs_in_graphs_it_compiled_for_cuda_graphs():
+    import dataclasses
+
+    from moe_compile import backend
+    from moe_compile.options import InnerCompiler, parse_options
+
+    depth = []
+    compiled = lambda *args: depth.append(getattr(op_graphs._LOCAL, "depth", 0)) or "out"  # noqa: E731
+    compiled._boxed_call = True
+    graphs = dataclasses.replace(parse_options(None), compile_mode="reduce-overhead")
+    wrapped = backend._without_op_graphs(compiled, graphs, InnerCompiler.INDUCTOR, "cuda")
+    assert wrapped("x") == "out" and depth == [1] and wrapped._boxed_call
+    assert getattr(op_graphs._LOCAL, "depth", 0) == 0
+    for args in ((parse_options(None), InnerCompiler.INDUCTOR, "cuda"), (graphs, InnerCompiler.INDUCTOR, "cpu")):
+        assert backend._without_op_graphs(compiled, *args) is compiled
+
+
+@gpu
+def test_reduce_overhead_compiles_capture_no_op_graphs():
+    from moe_compile.testing.blocks import MoEBlockConfig, V4MoEBlock
+
+    torch.manual_seed(0)
+    block = V4MoEBlock(MoEBlockConfig(hidden_size=128, intermediate_size=64)).cuda().bfloat16().eval()
+    compiled = torch.compile(block, backend="moe_npu", mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 6, 128, device="cuda", dtype=torch.bfloat16)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(x).clone()
+            torch.testing.assert_close(out, block(x), rtol=2e-2, atol=2e-2)
+    assert op_graphs.STATS["captured"] == 0
