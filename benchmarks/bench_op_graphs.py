@@ -13,7 +13,9 @@ rounds each, in one process:
 - *floor µs*: the op's kernels alone: one plain call captured in a CUDA graph by hand, replayed
   back to back (event-timed), i.e. the GPU time a call cannot go below.
 
-The best round of each, and the largest relative difference between a graphed and a plain output.
+The best round of each, the largest relative difference between a graphed and a plain output, and
+whether the default settings graph such a call (``max_tokens``, ``max_expert_bytes``; the benchmark
+graphs every point it measures).
 """
 from __future__ import annotations
 
@@ -97,18 +99,22 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_op_graphs.py needs a CUDA device")
         return 1
-    op_graphs.configure(max_tokens=max(args.ms))
+    default = op_graphs.Settings()
+    op_graphs.configure(max_tokens=max(args.ms), max_expert_bytes=1 << 60)  # graphs at every point measured
     rows = []
     print("shape | M | plain issue us | plain step us | graphed issue us | graphed step us | floor us | "
-          "step plain/graphed | graphed/floor | max rel diff")
+          "step plain/graphed | graphed/floor | max rel diff | graphed by default")
     for name in args.shapes:
         for m in args.ms:
             row = measure(SHAPES[name], m, args.calls, args.rounds)
+            shape = SHAPES[name]
+            hit = min(shape.num_experts, m * shape.top_k) * 3 * shape.hidden * shape.inter * 2  # bf16
+            row["graphed_by_default"] = m <= default.max_tokens and hit <= default.max_expert_bytes
             rows.append(row)
             print(f"{name} | {m} | {row['plain_issue_us']:.1f} | {row['plain_step_us']:.1f} | "
                   f"{row['graphed_issue_us']:.1f} | {row['graphed_step_us']:.1f} | {row['floor_us']:.1f} | "
                   f"{row['step_speedup']:.2f} | {row['graphed_step_us'] / row['floor_us']:.2f} | "
-                  f"{row['max_rel_diff']:.1e}", flush=True)
+                  f"{row['max_rel_diff']:.1e} | {'yes' if row['graphed_by_default'] else 'no'}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                                    rows=rows), indent=1))

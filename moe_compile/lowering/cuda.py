@@ -8,8 +8,9 @@ Stages (``StagedLowering``'s, with faster kernels):
   ``kernels/triton/experts.py``) writing the layer output, with no modular-kernel copies;
 - distributed: the modular kernel from ``make_distributed_kernel`` with ``TritonExperts``.
 
-Single-device calls of up to 256 tokens outside an outer CUDA graph replay a CUDA graph of the op's
-kernels from the second call of the same shapes on (``op_graphs.py``; ``MOE_COMPILE_OP_GRAPHS=0``: off).
+Single-device calls of up to 1024 tokens (and 1.5 GB of experts) outside an outer CUDA graph replay a CUDA
+graph of the op's kernels from the second call of the same shapes on (``op_graphs.py``;
+``MOE_COMPILE_OP_GRAPHS=0``: off).
 
 Anything the Triton kernels cannot run falls back to the portable torch stages, logging the reason
 once and counting it in ``FALLBACKS``. Triton is imported only when a stage needs it, so

@@ -17,7 +17,9 @@ synchronisation and without emptying the allocator's cache, which ``torch.cuda.g
 call copies its per-call tensors in, replays the graph and returns a copy of the graph's output
 (never the graph's own buffer, which the next replay overwrites).
 
-Only single-device CUDA calls of at most ``max_tokens`` tokens are graphed, never while a stream is
+Only single-device CUDA calls of at most ``max_tokens`` tokens (1024) whose experts may read at most
+``max_expert_bytes`` (1.5 GB: beyond, the GPU time dwarfs the host's and a graph's copies cost more than it
+saves; measured on the H200, ``benchmarks/bench_op_graphs.py``) are graphed, never while a stream is
 capturing (an outer CUDA graph records the op's kernels itself) nor inside ``suspended()`` (the backend
 runs graphs it compiled with ``mode="reduce-overhead"`` in one: see there). At most
 ``max_graphs`` graphs are kept (least recently used first out), sharing one memory pool per device
@@ -43,7 +45,11 @@ log = logging.getLogger("moe_compile")
 @dataclass
 class Settings:
     enabled: bool = os.environ.get("MOE_COMPILE_OP_GRAPHS", "1") != "0"
-    max_tokens: int = int(os.environ.get("MOE_COMPILE_OP_GRAPHS_MAX_TOKENS", "256"))
+    max_tokens: int = int(os.environ.get("MOE_COMPILE_OP_GRAPHS_MAX_TOKENS", "1024"))
+    # expert weight bytes a call may read (experts it can hit x bytes per expert) above which its kernels
+    # outlast its host work and a graph's extra copies cost more than it saves (H200: 2.8 GB, Mixtral at
+    # 32-1024 tokens, 0.94-0.98x with a graph; 1.2 GB, Qwen3-30B-A3B at 1-1024 tokens, 1.1-3.0x)
+    max_expert_bytes: int = int(os.environ.get("MOE_COMPILE_OP_GRAPHS_MAX_BYTES", str(1_500_000_000)))
     max_graphs: int = 32
     warm_calls: int = 2  # the call of a key that captures it (earlier ones run without a graph)
 
@@ -68,14 +74,16 @@ _POOLS: dict = {}
 
 
 def configure(*, enabled: bool | None = None, max_tokens: int | None = None, max_graphs: int | None = None,
-              warm_calls: int | None = None) -> Settings:
+              warm_calls: int | None = None, max_expert_bytes: int | None = None) -> Settings:
     """Change the settings (``None`` keeps one); returns them. Dropping ``max_graphs`` evicts at once."""
-    for name, value in (("max_tokens", max_tokens), ("max_graphs", max_graphs), ("warm_calls", warm_calls)):
+    for name, value in (("max_tokens", max_tokens), ("max_graphs", max_graphs), ("warm_calls", warm_calls),
+                        ("max_expert_bytes", max_expert_bytes)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"op_graphs.configure: {name}={value!r}; expected an int >= 1.")
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"op_graphs.configure: enabled={enabled!r}; expected a bool.")
-    changes = dict(enabled=enabled, max_tokens=max_tokens, max_graphs=max_graphs, warm_calls=warm_calls)
+    changes = dict(enabled=enabled, max_tokens=max_tokens, max_graphs=max_graphs, warm_calls=warm_calls,
+                   max_expert_bytes=max_expert_bytes)
     for name, value in changes.items():
         if value is not None:
             setattr(SETTINGS, name, value)
@@ -124,6 +132,13 @@ def call_key(inputs, cfg, device: int, stream: int) -> tuple:
             _where(w.w13_bias), _where(w.w2_bias), _where(inputs.e_score_correction_bias))
 
 
+def expert_bytes(inputs, cfg, tokens: int) -> int:
+    """The expert weight bytes a call of ``tokens`` tokens may read: the experts it can hit, each in full."""
+    w13, w2 = inputs.weights.w13, inputs.weights.w2
+    per_expert = w13.shape[1] * w13.shape[2] + w2.shape[1] * w2.shape[2]
+    return min(w13.shape[0], tokens * cfg.routing.top_k) * per_expert * w13.element_size()
+
+
 def skip_reason(inputs, cfg) -> str:
     """Why this call runs without a graph of its own ('' when it may have one)."""
     x = inputs.hidden_states
@@ -136,6 +151,8 @@ def skip_reason(inputs, cfg) -> str:
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if tokens == 0 or tokens > SETTINGS.max_tokens:
         return "tokens"
+    if expert_bytes(inputs, cfg, tokens) > SETTINGS.max_expert_bytes:
+        return "expert bytes"
     if getattr(_LOCAL, "depth", 0):
         return "suspended"
     if torch.cuda.is_current_stream_capturing():
@@ -232,5 +249,5 @@ def _replay(entry: _Entry, inputs) -> torch.Tensor:
         return entry.static_out.clone()
 
 
-__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "graphs", "run", "skip_reason",
+__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "expert_bytes", "graphs", "run", "skip_reason",
            "suspended"]

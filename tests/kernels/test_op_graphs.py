@@ -28,7 +28,8 @@ def fresh_graphs():
     op_graphs.clear()
     yield
     op_graphs.clear()
-    op_graphs.configure(**{k: getattr(saved, k) for k in ("enabled", "max_tokens", "max_graphs", "warm_calls")})
+    op_graphs.configure(**{k: getattr(saved, k) for k in ("enabled", "max_tokens", "max_graphs", "warm_calls",
+                                                           "max_expert_bytes")})
 
 
 def _weights(num_experts, hidden=128, inter=64, seed=0, device="cuda", dtype=torch.bfloat16):
@@ -175,8 +176,12 @@ def test_token_limit_warm_calls_eviction_and_off():
         x, logits = _inputs(tokens, e)
         _same(_op(x, logits, w13, w2, None, SOFTMAX), _plain(lambda: _op(x, logits, w13, w2, None, SOFTMAX)))
     assert op_graphs.graphs() == 2 and op_graphs.STATS["evicted"] == 1
-    op_graphs.configure(enabled=False)
     replayed = op_graphs.STATS["replayed"]
+    op_graphs.configure(max_expert_bytes=op_graphs.expert_bytes(MoEInputs(x, logits, ExpertWeights(w13, w2)),
+                                                                _cfg(SOFTMAX), 3) - 1)
+    _op(x, logits, w13, w2, None, SOFTMAX)  # tokens=3 may now read too many expert bytes
+    assert op_graphs.STATS["replayed"] == replayed
+    op_graphs.configure(max_expert_bytes=10**12, enabled=False)
     _op(x, logits, w13, w2, None, SOFTMAX)
     assert op_graphs.STATS["replayed"] == replayed
 
@@ -198,6 +203,12 @@ def test_a_compiled_block_replays_op_graphs_and_matches_eager():
         torch.testing.assert_close(out, block(x), rtol=2e-2, atol=2e-2)
 
 
+def _cfg(spec):
+    return make_config(spec["num_experts"], spec["top_k"], spec["routing_method"], spec["renormalize"],
+                       spec["routed_scaling_factor"], spec["k_group"], spec["group_count"], spec["group_select_mode"],
+                       True, False, False, "silu", 1.702, 7.0, False, False, None, None, None, True, True, "auto")
+
+
 # -- CPU: the bookkeeping, the capture and replay replaced -----------------------------------------------------
 
 def _cpu_call(tokens=2, e=8, hidden=16):
@@ -214,6 +225,13 @@ def test_cpu_calls_name_why_they_run_without_a_graph():
     assert op_graphs.run(inputs, cfg, lambda i, c: pytest.fail("run plainly by the caller")) is None
     op_graphs.configure(enabled=False)
     assert op_graphs.skip_reason(inputs, cfg) == "off"
+
+
+def test_expert_bytes_count_the_experts_a_call_can_hit():
+    inputs, cfg = _cpu_call(tokens=2, e=8, hidden=16)  # top-2; w13 [8, 16, 8], w2 [8, 4, 16], fp32
+    per_expert = (16 * 8 + 4 * 16) * 4
+    assert op_graphs.expert_bytes(inputs, cfg, 2) == 4 * per_expert
+    assert op_graphs.expert_bytes(inputs, cfg, 100) == 8 * per_expert  # at most every expert
 
 
 def test_settings_are_checked():
