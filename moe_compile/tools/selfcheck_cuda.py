@@ -4,14 +4,16 @@ Each Triton kernel of the CUDA lowering runs on the device and is compared with 
 reference: the fused routing (softmax top-k with renormalisation; DeepSeek-V3's grouped sigmoid
 with a selection bias and scaling), the sync-free alignment, the experts on every path
 (pairs, sorted, sorted with TMA loads, ``torch._grouped_mm`` where the GPU has it), the
-batched-format experts behind a batched dispatcher, and the whole op captured in a CUDA graph and
-replayed on new inputs. A table shows check, case, max relative error, tolerance and PASS/FAIL.
+batched-format experts behind a batched dispatcher, the whole op captured in a CUDA graph and
+replayed on new inputs, and eager calls replaying the op's own graph (``lowering/op_graphs.py``).
+A table shows check, case, max relative error, tolerance and PASS/FAIL.
 
 ``--interpret`` runs the same checks on the CPU under Triton's interpreter (fp32, tiny shapes):
 that is how CI tests this tool; it says nothing about a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -211,6 +213,39 @@ def _graph_check(s: Setup, gen: torch.Generator) -> Check:
         return Check("CUDA graph", "capture + replay", float("nan"), 0.0, False, f"{type(exc).__name__}: {exc}")
 
 
+def _op_graphs_check(s: Setup, gen: torch.Generator) -> Check:
+    """Three eager calls of one shape on new inputs (the second captures the op's own graph, both later ones
+    replay it; ``lowering/op_graphs.py``) against the same calls with op graphs off."""
+    from moe_compile import fused_moe
+    from moe_compile.lowering import op_graphs
+
+    case = "3 eager calls, graph replays vs without"
+    if s.device.type != "cuda" or not op_graphs.SETTINGS.enabled:
+        why = "not applicable without CUDA" if s.device.type != "cuda" else "off (MOE_COMPILE_OP_GRAPHS=0)"
+        return Check("op graphs", case, 0.0, 0.0, True, why)
+    weights = _weights(s, gen)
+    inputs = [(torch.randn(s.tokens, s.hidden, generator=gen).to(s.device, s.dtype),
+               torch.randn(s.tokens, s.experts, generator=gen).to(s.device)) for _ in range(3)]
+
+    def layer(x, logits):
+        return fused_moe(x, logits, s.experts, s.top_k, weights.w13, weights.w2, renormalize=True)
+    saved = dataclasses.replace(op_graphs.SETTINGS)
+    try:
+        op_graphs.configure(max_tokens=max(s.tokens, 1), max_expert_bytes=1 << 60, warm_calls=2)
+        before = op_graphs.STATS["replayed"]
+        graphed = [layer(*args) for args in inputs]
+        replays = op_graphs.STATS["replayed"] - before
+        op_graphs.configure(enabled=False)
+        err = max(_rel(got, layer(*args)) for got, args in zip(graphed, inputs))
+    except Exception as exc:  # noqa: BLE001 - reported in the table
+        return Check("op graphs", case, float("nan"), 0.0, False, f"{type(exc).__name__}: {exc}")
+    finally:
+        op_graphs.SETTINGS.__dict__.update(dataclasses.asdict(saved))
+    # the same kernels and plan: equal but for the decode path's fp32 atomic sums, in any order
+    ok = replays == 2 and err <= 5e-3
+    return Check("op graphs", case, err, 5e-3, ok, "" if replays == 2 else f"{replays} replays, expected 2")
+
+
 def _compare(name: str, case: str, fn: Callable[[], torch.Tensor], want: torch.Tensor, tol: float) -> Check:
     try:
         got = fn()
@@ -225,7 +260,7 @@ def run_cuda_checks(device: torch.device, seed: int = 0) -> list[Check]:
     s = setup_for(device)
     gen = torch.Generator().manual_seed(seed)
     checks = _routing_checks(s, gen) + _router_checks(s, gen) + _align_checks(s, gen) + _experts_checks(s, gen)
-    return checks + [_batched_check(s, gen), _graph_check(s, gen)]
+    return checks + [_batched_check(s, gen), _graph_check(s, gen), _op_graphs_check(s, gen)]
 
 
 def format_checks(checks: list[Check]) -> str:

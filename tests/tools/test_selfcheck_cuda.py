@@ -25,7 +25,7 @@ def test_all_checks_pass():
     table = selfcheck_cuda.format_checks(checks)
     assert all(c.ok for c in checks), table
     names = {c.name for c in checks}
-    assert {"routing", "align", "experts", "batched experts", "CUDA graph"} <= names, table
+    assert {"routing", "align", "experts", "batched experts", "CUDA graph", "op graphs"} <= names, table
     assert ("routing", "sqrt-softplus + bias x1.5") in {(c.name, c.case) for c in checks}, table
 
 
@@ -64,7 +64,7 @@ def test_interpret_flag_runs_the_checks_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "moe_compile", "selfcheck", "--device", "cuda", "--interpret"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "16/16 checks passed" in proc.stdout, proc.stdout  # sqrt-softplus routing: the 16th
+    assert "17/17 checks passed" in proc.stdout, proc.stdout  # sqrt-softplus routing: the 16th; op graphs (n/a)
 
 
 @pytest.mark.parametrize("triton_v,numpy_v,broken", [
