@@ -12,6 +12,7 @@ import moe_compile.ops.custom_op  # noqa: F401  (registers torch.ops.moe_compile
 from moe_compile.lowering import MoEInputs, op_graphs
 from moe_compile.modular import ExpertWeights
 from moe_compile.ops.custom_op import make_config
+from tests.kernels.test_triton_cuda_lowering import _op  # noqa: E402  (the op with a routing spec)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
@@ -44,17 +45,6 @@ def _inputs(tokens, num_experts, hidden=128, seed=1, device="cuda", dtype=torch.
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
     return x, torch.randn(tokens, num_experts, generator=gen).to(device)
-
-
-def _op(x, logits, w13, w2, bias, spec):
-    return torch.ops.moe_compile.fused_moe(
-        x, logits, w13, w2, None, None, bias, num_experts=spec["num_experts"], top_k=spec["top_k"],
-        routing_method=spec["routing_method"], renormalize=spec["renormalize"],
-        routed_scaling_factor=spec["routed_scaling_factor"], k_group=spec["k_group"],
-        group_count=spec["group_count"], group_select_mode=spec["group_select_mode"], normalize_sigmoid=True,
-        scoring_after_topk=False, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0,
-        gate_up_interleaved=False, apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None,
-        dispatcher_type=None, tokens_full=True, reduce_results=True, lowering="auto")
 
 
 def _plain(fn):
