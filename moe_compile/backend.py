@@ -125,9 +125,7 @@ def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompil
     without, in one run of ``bench_hash_layer.py`` before the launch cache)."""
     if inner is not InnerCompiler.INDUCTOR or device_type != "cuda" or "cuda_graphs" in _warned:
         return
-    from torch._inductor import config as inductor_config
-
-    if config.compile_mode == "reduce-overhead" or inductor_config.triton.cudagraphs:
+    if _inductor_cuda_graphs(config):
         return
     rewritten = sum(1 for d in decisions if d.rewritten)
     if rewritten:
@@ -138,15 +136,19 @@ def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompil
                  "mode=\"reduce-overhead\") captures the whole step (said once)", rewritten)
 
 
+def _inductor_cuda_graphs(config: BackendConfig) -> bool:
+    """Whether Inductor runs the compiled graph through CUDA graphs: ``reduce-overhead`` and ``max-autotune``
+    turn them on (``_inductor_patches``), as does Inductor's own config."""
+    from torch._inductor import config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs or _inductor_patches(config).get("triton.cudagraphs"))
+
+
 def _without_op_graphs(compiled, config: BackendConfig, inner: InnerCompiler, device_type: str):
     """A graph Inductor runs through CUDA graphs runs with the fused op's own graphs suspended
     (``lowering/op_graphs.py``): its replays skip the op's Python anyway, and its warm-up runs must not
     capture graphs of ours."""
-    if inner is not InnerCompiler.INDUCTOR or device_type != "cuda":
-        return compiled
-    from torch._inductor import config as inductor_config
-
-    if config.compile_mode != "reduce-overhead" and not inductor_config.triton.cudagraphs:
+    if inner is not InnerCompiler.INDUCTOR or device_type != "cuda" or not _inductor_cuda_graphs(config):
         return compiled
     from moe_compile.lowering.op_graphs import suspended
 

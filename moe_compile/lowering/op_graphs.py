@@ -21,10 +21,11 @@ Only single-device CUDA calls of at most ``max_tokens`` tokens (1024) whose expe
 ``max_expert_bytes`` (1.5 GB: beyond, the GPU time dwarfs the host's and a graph's copies cost more than it
 saves; measured on the H200, ``benchmarks/bench_op_graphs.py``) are graphed, never while a stream is
 capturing (an outer CUDA graph records the op's kernels itself) nor inside ``suspended()`` (the backend
-runs graphs it compiled with ``mode="reduce-overhead"`` in one: see there). At most
+runs graphs it compiled for CUDA graphs, ``reduce-overhead`` or ``max-autotune``, in one: see there). At most
 ``max_graphs`` graphs are kept (least recently used first out), sharing one memory pool per device
 and stream. A capture that fails is logged once, and that key runs without a graph from then on.
-``MOE_COMPILE_OP_GRAPHS=0`` turns graphs off (read at import; ``configure(enabled=False)`` at run time).
+``MOE_COMPILE_OP_GRAPHS=0`` turns graphs off (read at import; ``configure(enabled=False)`` at run time);
+``STATS`` counts captures, replays, evictions, failures and, per reason, the calls run without a graph.
 """
 from __future__ import annotations
 
@@ -42,20 +43,35 @@ import torch
 log = logging.getLogger("moe_compile")
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(f"{name}={value!r}; expected an int >= 1 (unset: {default}).")
+    return number
+
+
 @dataclass
 class Settings:
     enabled: bool = os.environ.get("MOE_COMPILE_OP_GRAPHS", "1") != "0"
-    max_tokens: int = int(os.environ.get("MOE_COMPILE_OP_GRAPHS_MAX_TOKENS", "1024"))
+    max_tokens: int = _env_int("MOE_COMPILE_OP_GRAPHS_MAX_TOKENS", 1024)
     # expert weight bytes a call may read (experts it can hit x bytes per expert) above which its kernels
     # outlast its host work and a graph's extra copies cost more than it saves (H200: 2.8 GB, Mixtral at
-    # 32-1024 tokens, 0.94-0.98x with a graph; 1.2 GB, Qwen3-30B-A3B at 1-1024 tokens, 1.1-3.0x)
-    max_expert_bytes: int = int(os.environ.get("MOE_COMPILE_OP_GRAPHS_MAX_BYTES", str(1_500_000_000)))
+    # 32-1024 tokens, 0.94-0.98x with a graph; 1.2 GB, Qwen3-30B-A3B at 1-1024 tokens, 1.09-3.54x; runs 2-4 of
+    # the twenty-eighth session, benchmarks/results/op_graphs_*_s28.log)
+    max_expert_bytes: int = _env_int("MOE_COMPILE_OP_GRAPHS_MAX_BYTES", 1_500_000_000)
     max_graphs: int = 32
     warm_calls: int = 2  # the call of a key that captures it (earlier ones run without a graph)
 
 
 SETTINGS = Settings()
-STATS: collections.Counter = collections.Counter()  # captured, replayed, evicted, failed
+# captured, replayed, evicted, failed, and "skipped: <reason>" per call run without a graph (skip_reason's words)
+STATS: collections.Counter = collections.Counter()
 MAX_SEEN = 4096  # keys counted towards warm_calls; the oldest are forgotten first
 
 
@@ -103,8 +119,8 @@ def clear() -> None:
 @contextlib.contextmanager
 def suspended():
     """No graphs of ours on this thread inside the block: the backend runs graphs compiled with CUDA graphs
-    (``reduce-overhead``) in one, as their warm-up runs are eager, not capturing, and route this thread's
-    allocations to their own memory pool, where a capture of ours does not belong."""
+    (``reduce-overhead``, ``max-autotune``) in one, as their warm-up runs are eager, not capturing, and
+    route this thread's allocations to their own memory pool, where a capture of ours does not belong."""
     _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
     try:
         yield
@@ -161,11 +177,15 @@ def skip_reason(inputs, cfg) -> str:
 
 
 _PER_CALL = ("hidden_states", "router_logits", "topk_weights", "topk_ids")
+_SKIPPED = {r: f"skipped: {r}" for r in ("off", "not cuda", "distributed", "tokens", "expert bytes", "suspended",
+                                          "capturing")}
 
 
 def run(inputs, cfg, body: Callable) -> torch.Tensor | None:
     """``body(inputs, cfg)`` through a CUDA graph of this call's key, or None: the caller runs it plainly."""
-    if skip_reason(inputs, cfg):
+    reason = skip_reason(inputs, cfg)
+    if reason:
+        STATS[_SKIPPED[reason]] += 1
         return None
     device = inputs.hidden_states.device.index
     key = call_key(inputs, cfg, device, _stream(device))
@@ -249,5 +269,5 @@ def _replay(entry: _Entry, inputs) -> torch.Tensor:
         return entry.static_out.clone()
 
 
-__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "expert_bytes", "graphs", "run", "skip_reason",
-           "suspended"]
+__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "expert_bytes", "graphs", "run",
+           "skip_reason", "suspended"]

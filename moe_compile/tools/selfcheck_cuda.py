@@ -240,7 +240,7 @@ def _op_graphs_check(s: Setup, gen: torch.Generator) -> Check:
     except Exception as exc:  # noqa: BLE001 - reported in the table
         return Check("op graphs", case, float("nan"), 0.0, False, f"{type(exc).__name__}: {exc}")
     finally:
-        op_graphs.SETTINGS.__dict__.update(dataclasses.asdict(saved))
+        op_graphs.configure(**dataclasses.asdict(saved))
     # the same kernels and plan: equal but for the decode path's fp32 atomic sums, in any order
     ok = replays == 2 and err <= 5e-3
     return Check("op graphs", case, err, 5e-3, ok, "" if replays == 2 else f"{replays} replays, expected 2")

@@ -5,6 +5,11 @@ with weights changed in place or replaced, under inference mode, inside an outer
 ``torch.compile``. On the CPU: the bookkeeping (warm-up counts, eviction, failures, settings) with the
 capture and replay replaced, and the reasons a call runs without a graph.
 """
+import dataclasses
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -29,8 +34,7 @@ def fresh_graphs():
     op_graphs.clear()
     yield
     op_graphs.clear()
-    op_graphs.configure(**{k: getattr(saved, k) for k in ("enabled", "max_tokens", "max_graphs", "warm_calls",
-                                                           "max_expert_bytes")})
+    op_graphs.configure(**dataclasses.asdict(saved))
 
 
 def _weights(num_experts, hidden=128, inter=64, seed=0, device="cuda", dtype=torch.bfloat16):
@@ -224,6 +228,23 @@ def test_expert_bytes_count_the_experts_a_call_can_hit():
     assert op_graphs.expert_bytes(inputs, cfg, 100) == 8 * per_expert  # at most every expert
 
 
+def test_calls_without_a_graph_are_counted_by_reason():
+    inputs, cfg = _cpu_call()
+    op_graphs.run(inputs, cfg, lambda i, c: pytest.fail("run plainly by the caller"))
+    op_graphs.configure(enabled=False)
+    op_graphs.run(inputs, cfg, lambda i, c: pytest.fail("run plainly by the caller"))
+    assert op_graphs.STATS["skipped: not cuda"] == 1 and op_graphs.STATS["skipped: off"] == 1
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-3"])
+def test_a_bad_environment_limit_names_the_variable(value):
+    env = dict(os.environ, MOE_COMPILE_OP_GRAPHS_MAX_TOKENS=value)
+    proc = subprocess.run([sys.executable, "-c", "import moe_compile.lowering.op_graphs"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"MOE_COMPILE_OP_GRAPHS_MAX_TOKENS={value!r}; expected an int >= 1 (unset: 1024)" in proc.stderr
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="max_tokens=0"):
         op_graphs.configure(max_tokens=0)
@@ -270,8 +291,6 @@ def test_bookkeeping_counts_captures_evicts_and_remembers_failures(monkeypatch):
 
 
 def test_the_backend_suspends_op_graphs_in_graphs_it_compiled_for_cuda_graphs():
-    import dataclasses
-
     from moe_compile import backend
     from moe_compile.options import InnerCompiler, parse_options
 
@@ -282,7 +301,11 @@ def test_the_backend_suspends_op_graphs_in_graphs_it_compiled_for_cuda_graphs():
     wrapped = backend._without_op_graphs(compiled, graphs, InnerCompiler.INDUCTOR, "cuda")
     assert wrapped("x") == "out" and depth == [1] and wrapped._boxed_call
     assert getattr(op_graphs._LOCAL, "depth", 0) == 0
-    for args in ((parse_options(None), InnerCompiler.INDUCTOR, "cuda"), (graphs, InnerCompiler.INDUCTOR, "cpu")):
+    autotune = dataclasses.replace(graphs, compile_mode="max-autotune")  # CUDA graphs too
+    assert backend._without_op_graphs(compiled, autotune, InnerCompiler.INDUCTOR, "cuda") is not compiled
+    no_graphs = dataclasses.replace(graphs, compile_mode="max-autotune-no-cudagraphs")
+    for args in ((parse_options(None), InnerCompiler.INDUCTOR, "cuda"), (graphs, InnerCompiler.INDUCTOR, "cpu"),
+                 (no_graphs, InnerCompiler.INDUCTOR, "cuda")):
         assert backend._without_op_graphs(compiled, *args) is compiled
 
 

@@ -238,7 +238,9 @@ def test_cuda_graphs_hint_said_once_when_cuda_blocks_are_rewritten_without_graph
         for args in (([skipped], cfg, InnerCompiler.INDUCTOR, "cuda"),  # nothing rewritten
                      ([rewritten], cfg, InnerCompiler.INDUCTOR, "cpu"),
                      ([rewritten], cfg, InnerCompiler.AOT_EAGER, "cuda"),
-                     ([rewritten], graphs, InnerCompiler.INDUCTOR, "cuda")):
+                     ([rewritten], graphs, InnerCompiler.INDUCTOR, "cuda"),
+                     ([rewritten], dataclasses.replace(cfg, compile_mode="max-autotune"), InnerCompiler.INDUCTOR,
+                      "cuda")):  # max-autotune turns CUDA graphs on too
             backend._hint_cuda_graphs(*args)
         assert "reduce-overhead" not in moe_log.text
         backend._hint_cuda_graphs([rewritten, skipped], cfg, InnerCompiler.INDUCTOR, "cuda")
