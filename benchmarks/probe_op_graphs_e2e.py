@@ -1,6 +1,7 @@
 """One compiled HF model, its forward timed with the op's own CUDA graphs on and off alternately.
 
     python benchmarks/probe_op_graphs_e2e.py [--model qwen3] [--size decode1] [--rounds 6] [--reps 30] [--profile]
+    python benchmarks/probe_op_graphs_e2e.py --switch dispatch --vs-inductor   # direct dispatch off / on, and inductor
 
 ``bench_e2e.py`` compiles a model once per mode, so its ``moe_npu`` and ``moe_npu-plain`` rows come from
 two compiles and two stretches of time. Here one ``torch.compile(model, backend="moe_npu")`` serves
@@ -8,7 +9,9 @@ both: ``op_graphs.configure(enabled=...)`` switches between rounds (a graph, onc
 cached while off). Per forward: *issue ms* (host time until the call returns, no synchronisation
 inside the round) and *latency ms* (CUDA events around one forward, synchronised; ``bench_e2e.py``'s
 figure); the median over the round, then the best round. ``--profile`` adds a ``torch.profiler``
-table of each mode (top host-time ops of 10 forwards).
+table of each mode (top host-time ops of 10 forwards). ``--switch dispatch`` keeps op graphs on and switches
+the ops' direct dispatch instead (``moe_compile/ops/registration.py``); ``--vs-inductor`` adds a copy of the
+model compiled with inductor (no CUDA graphs either) to the same rounds.
 """
 from __future__ import annotations
 
@@ -51,42 +54,72 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--switch", choices=["op_graphs", "dispatch"], default="op_graphs",
+                        help="what differs between the two moe_npu sides: the op's own CUDA graphs, or (graphs on) "
+                             "the ops' direct dispatch (moe_compile.ops.registration.DIRECT)")
+    parser.add_argument("--vs-inductor", action="store_true",
+                        help="also time a copy of the model compiled with inductor, in the same rounds")
     args = parser.parse_args(argv)
+    import copy
+
     import moe_compile  # noqa: F401
+    from moe_compile.ops import registration
 
     model = build(args.model, args.layers, False, "cuda")
     ids = torch.randint(0, model.config.vocab_size, SIZES[args.size], device="cuda")
+    twin = copy.deepcopy(model) if args.vs_inductor else None
     compiled = torch.compile(model, backend="moe_npu")
     fn = lambda: compiled(input_ids=ids, use_cache=False)  # noqa: E731
-    best = {True: [float("inf")] * 2, False: [float("inf")] * 2}
+
+    def switch(on: bool) -> None:
+        if args.switch == "op_graphs":
+            op_graphs.configure(enabled=on)
+        else:
+            op_graphs.configure(enabled=True)
+            registration.DIRECT = on
+
+    sides = {False: fn, True: fn}
+    names = {False: f"{args.switch} off", True: f"{args.switch} on "}
+    if twin is not None:
+        inductor = torch.compile(twin, backend="inductor")
+        sides["inductor"] = lambda: inductor(input_ids=ids, use_cache=False)
+        names["inductor"] = "inductor    "
+    best = {side: [float("inf")] * 2 for side in sides}
     with torch.no_grad():
-        op_graphs.configure(enabled=False)
+        switch(False)
         ref = fn().logits.float()
-        op_graphs.configure(enabled=True)
+        switch(True)
         for _ in range(3):  # the second call of each op captures its graph, the third replays it
             out = fn().logits.float()
-        print(f"graphed vs plain logits, max abs diff: {(out - ref).abs().max().item():.3e}; "
+        print(f"{names[True].strip()} vs off logits, max abs diff: {(out - ref).abs().max().item():.3e}; "
               f"replays so far {op_graphs.STATS['replayed']}, graphs {op_graphs.graphs()}")
+        if twin is not None:
+            for _ in range(3):
+                got = sides["inductor"]().logits.float()
+            print(f"inductor vs moe_npu logits, max abs diff: {(got - out).abs().max().item():.3e}")
         for r in range(args.rounds):
-            for on in ((False, True) if r % 2 == 0 else (True, False)):
-                op_graphs.configure(enabled=on)
-                issue, latency = one_round(fn, args.reps)
-                best[on] = [min(best[on][0], issue), min(best[on][1], latency)]
-                print(f"round {r} op graphs {'on ' if on else 'off'}: issue {issue:.3f} ms, latency {latency:.3f} ms",
-                      flush=True)
-        for on in (False, True):
-            print(f"best, op graphs {'on ' if on else 'off'}: issue {best[on][0]:.3f} ms, latency {best[on][1]:.3f} ms")
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for side in order:
+                if side != "inductor":
+                    switch(side)
+                issue, latency = one_round(sides[side], args.reps)
+                best[side] = [min(best[side][0], issue), min(best[side][1], latency)]
+                print(f"round {r} {names[side]}: issue {issue:.3f} ms, latency {latency:.3f} ms", flush=True)
+        switch(True)
+        for side in sides:
+            print(f"best, {names[side]}: issue {best[side][0]:.3f} ms, latency {best[side][1]:.3f} ms")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             for on in (False, True):
-                op_graphs.configure(enabled=on)
+                switch(on)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
                         fn()
                     torch.cuda.synchronize()
-                print(f"--- op graphs {'on' if on else 'off'}: 10 forwards")
+                print(f"--- {names[on].strip()}: 10 forwards")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+            switch(True)
     return 0
 
 

@@ -80,6 +80,8 @@ class _Entry:
     graph: object  # torch.cuda.CUDAGraph
     static_in: tuple  # static copies of the per-call tensors (None where the call has none)
     static_out: torch.Tensor
+    tokens: int = 0  # the call's tokens and the expert bytes it may read: what configure's limits are checked on
+    expert_bytes: int = 0
 
 
 _LOCAL = threading.local()  # depth: suspended() blocks entered on this thread
@@ -103,6 +105,9 @@ def configure(*, enabled: bool | None = None, max_tokens: int | None = None, max
     for name, value in changes.items():
         if value is not None:
             setattr(SETTINGS, name, value)
+    for key in [k for k, e in _GRAPHS.items()
+                if e.tokens > SETTINGS.max_tokens or e.expert_bytes > SETTINGS.max_expert_bytes]:
+        del _GRAPHS[key]  # replay_hit trusts a kept graph's key to be within the limits
     _evict()
     return dataclasses.replace(SETTINGS)
 
@@ -181,6 +186,23 @@ _SKIPPED = {r: f"skipped: {r}" for r in ("off", "not cuda", "distributed", "toke
                                           "capturing")}
 
 
+def replay_hit(inputs, cfg) -> torch.Tensor | None:
+    """The output of this call's graph if one is kept, else None: a repeat call's fast path. A kept graph's key
+    passed every static rule of ``skip_reason`` (device, parallelism, tokens, expert bytes; ``configure`` drops
+    graphs that newer limits rule out), so only the switches that can change between calls are checked."""
+    if not _GRAPHS or not SETTINGS.enabled or getattr(_LOCAL, "depth", 0):
+        return None
+    device = _cuda_index(inputs.hidden_states)
+    if device is None:
+        return None
+    key = call_key(inputs, cfg, device, _stream(device))
+    entry = _GRAPHS.get(key)
+    if entry is None or _capturing():
+        return None
+    _GRAPHS.move_to_end(key)
+    return _replay(entry, inputs)
+
+
 def run(inputs, cfg, body: Callable) -> torch.Tensor | None:
     """``body(inputs, cfg)`` through a CUDA graph of this call's key, or None: the caller runs it plainly."""
     reason = skip_reason(inputs, cfg)
@@ -205,6 +227,14 @@ def run(inputs, cfg, body: Callable) -> torch.Tensor | None:
     else:
         _GRAPHS.move_to_end(key)
     return _replay(entry, inputs)
+
+
+def _cuda_index(x: torch.Tensor) -> int | None:
+    return x.device.index if x.device.type == "cuda" else None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
 
 
 def _stream(device: int) -> int:
@@ -247,7 +277,9 @@ def _capture(inputs, cfg, body: Callable, key: tuple) -> _Entry | None:
             log.warning("moe_compile: could not capture the op in a CUDA graph (%s: %s); such calls run "
                         "without one", type(exc).__name__, exc)
         return None
-    entry = _GRAPHS[key] = _Entry(graph, static_in, static_out)
+    x = inputs.hidden_states
+    tokens = x.numel() // x.shape[-1]
+    entry = _GRAPHS[key] = _Entry(graph, static_in, static_out, tokens, expert_bytes(inputs, cfg, tokens))
     STATS["captured"] += 1
     _evict()
     return entry
@@ -269,5 +301,5 @@ def _replay(entry: _Entry, inputs) -> torch.Tensor:
         return entry.static_out.clone()
 
 
-__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "expert_bytes", "graphs", "run",
-           "skip_reason", "suspended"]
+__all__ = ["SETTINGS", "STATS", "Settings", "call_key", "clear", "configure", "expert_bytes", "graphs", "replay_hit",
+           "run", "skip_reason", "suspended"]

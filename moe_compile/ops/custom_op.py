@@ -36,6 +36,7 @@ from moe_compile.ops.config import (
     RoutingConfig,
     RoutingMethod,
 )
+from moe_compile.ops.registration import op
 from moe_compile.ops.validation import (
     check_op_scalars,
     check_op_shapes,
@@ -113,7 +114,7 @@ def _ep_size_by_name(name: Optional[str]) -> Optional[int]:
         return None
 
 
-@torch.library.custom_op("moe_compile::fused_moe", mutates_args=())
+@op("moe_compile::fused_moe")
 def fused_moe_op(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
     w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
@@ -176,7 +177,7 @@ def fused_experts_impl(
     return _run(cfg, MoEInputs(hidden_states, None, weights, None, topk_weights, topk_ids))
 
 
-@torch.library.custom_op("moe_compile::fused_experts", mutates_args=())
+@op("moe_compile::fused_experts")
 def fused_experts_op(
     hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_weight: torch.Tensor, w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor],
@@ -211,7 +212,7 @@ def _fused_experts_fake(hidden_states, topk_weights, topk_ids, w13_weight, w2_we
     return hidden_states.new_empty(hidden_states.shape)
 
 
-@torch.library.custom_op("moe_compile::router_logits", mutates_args=())
+@op("moe_compile::router_logits")
 def router_logits_op(hidden_states: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                      out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Router logits ``F.linear(hidden_states.float(), weight.float(), bias)`` without an fp32 copy

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_compile.ops.registration import op
+
 # recipe: ("leaf", i) | ("stack", (i, ...)) | ("cat", (recipe, ...)) | ("scale", (recipe, i)) | ("shard",
 # ((w13, w2, b13, b2 recipes), shard_for_groups kwargs, field)), each with a transpose flag: (kind, payload,
 # transpose).
@@ -201,7 +203,7 @@ def _keep_fresh(entry: _Entry, copy: _Copy, parts) -> None:
         copy.versions = versions
 
 
-@torch.library.custom_op("moe_compile::stacked_weights", mutates_args=())
+@op("moe_compile::stacked_weights")
 def stacked_weights(parts: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     """Every copy one block reads, in one call (one dispatch per block, not per tensor)."""
     entry = _entry(key)

@@ -290,6 +290,36 @@ def test_bookkeeping_counts_captures_evicts_and_remembers_failures(monkeypatch):
     assert op_graphs.call_key(fresh, cfg, 0, 0) == op_graphs.call_key(inputs, cfg, 0, 0)
 
 
+def test_a_kept_graph_replays_straight_and_newer_limits_drop_it(monkeypatch):
+    calls = {t: _cpu_call(tokens=t) for t in (1, 2)}
+    for t, (inputs, cfg) in calls.items():
+        key = op_graphs.call_key(inputs, cfg, 0, 0)
+        op_graphs._GRAPHS[key] = op_graphs._Entry(None, (), inputs.hidden_states, t, op_graphs.expert_bytes(
+            inputs, cfg, t))
+    capturing = []
+    monkeypatch.setattr(op_graphs, "_cuda_index", lambda x: 0)
+    monkeypatch.setattr(op_graphs, "_stream", lambda device: 0)
+    monkeypatch.setattr(op_graphs, "_capturing", lambda: bool(capturing))
+    monkeypatch.setattr(op_graphs, "_replay", lambda entry, inputs: ("replayed", entry.tokens))
+    monkeypatch.setattr(op_graphs, "skip_reason", lambda inputs, cfg: pytest.fail("a hit skips the static rules"))
+    assert op_graphs.replay_hit(*calls[2]) == ("replayed", 2)
+    assert list(op_graphs._GRAPHS.values())[-1].tokens == 2  # most recently used last
+    assert op_graphs.replay_hit(*calls[1]) == ("replayed", 1)
+    other = _cpu_call(tokens=1)  # other weights: another key, nothing kept for it
+    assert op_graphs.replay_hit(*other) is None
+    capturing.append(True)
+    assert op_graphs.replay_hit(*calls[1]) is None  # an outer capture records the kernels itself
+    capturing.clear()
+    with op_graphs.suspended():
+        assert op_graphs.replay_hit(*calls[1]) is None
+    op_graphs.configure(enabled=False)
+    assert op_graphs.replay_hit(*calls[1]) is None
+    op_graphs.configure(enabled=True, max_tokens=1)  # the 2-token graph is no longer allowed
+    assert op_graphs.graphs() == 1 and op_graphs.replay_hit(*calls[2]) is None
+    op_graphs.configure(max_expert_bytes=1)
+    assert op_graphs.graphs() == 0 and op_graphs.replay_hit(*calls[1]) is None
+
+
 def test_the_backend_suspends_op_graphs_in_graphs_it_compiled_for_cuda_graphs():
     from moe_compile import backend
     from moe_compile.options import InnerCompiler, parse_options
