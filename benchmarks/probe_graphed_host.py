@@ -10,7 +10,8 @@ until the last returns), best of ``--rounds`` rounds alternated in one process:
    (every call re-dispatched below autograd, as ``custom_op`` does), and the same body registered through
    ``torch.library.custom_op`` (how the ops were registered before); the body called directly;
    ``CudaLowering.run``; ``op_graphs.replay_hit``; the replay alone (copies in, ``graph.replay()``, the
-   output copy); ``graph.replay()`` alone; one input copy; one output copy.
+   output copy); ``graph.replay()`` alone; one input copy; one output copy; the graph key, the current stream
+   and the capture query alone.
 2. *the router*: ``torch.ops.moe_compile.router_logits`` (bf16 out) the same three ways, its body
    (``kernels/triton/router.router_logits``), and ``F.linear`` (cuBLAS) on the same tensors.
 3. *a breakdown* of the graphed op call with timers around each of our stages (inclusive µs per call).
@@ -92,6 +93,9 @@ def op_variants(shape, m: int) -> tuple[dict, torch.Tensor]:
         "graph.replay() alone": entry.graph.replay,
         "static_x.copy_(x) alone": lambda: static_x.copy_(x),
         "static_out.clone() alone": out.clone,
+        "call_key alone": lambda: op_graphs.call_key(inputs, cfg, 0, 0),
+        "current raw stream alone": lambda: op_graphs._stream(x.device.index),
+        "is_current_stream_capturing alone": torch.cuda.is_current_stream_capturing,
     }
     return variants, ref
 
