@@ -3,10 +3,9 @@
 ``torch.library.custom_op`` wraps an op in three Python layers: an autograd kernel that re-dispatches
 below autograd, a ``torch._disable_dynamo`` wrapper, and a per-call aliasing check of the result. Each
 re-dispatch converts every argument to the dispatcher's values and back, and our ops take up to 28. On
-the H200's host a graphed ``fused_moe`` call cost 95 µs through ``custom_op`` against 66 µs through a plain
-``Library`` registration and 49 µs for its Python body; the router op 40 against 25.5 and 21
-(``benchmarks/probe_graphed_host.py``, run 1 of the twenty-ninth session). At decode sizes without CUDA
-graphs that is the pace of every step.
+the H200's host, side by side (``benchmarks/probe_graphed_host.py``, runs 2-3 of the twenty-ninth session), a
+graphed Qwen3-30B-A3B one-token ``fused_moe`` call costs 102-130 µs this way against 125-153 µs through
+``custom_op``; the router op 41-44 against 62-67. At decode sizes without CUDA graphs the host sets the pace.
 
 ``op(qualname)`` defines the op from the function's signature (``torch.library.infer_schema``), as
 ``custom_op`` does, tags it ``pt2_compliant_tag``, and registers:
