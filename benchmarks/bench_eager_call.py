@@ -26,15 +26,20 @@ from bench_moe_layer import SHAPES, Shape  # noqa: E402
 from moe_compile import fused_moe  # noqa: E402
 
 
+def op_kwargs(shape: Shape) -> dict:
+    """Every argument of ``torch.ops.moe_compile.fused_moe`` after the tensors, for this shape."""
+    kw = dict(routing_method="softmax", renormalize=False, routed_scaling_factor=1.0, k_group=1, group_count=1,
+              group_select_mode=0)
+    kw.update(shape.routing)
+    kw.update(num_experts=shape.num_experts, top_k=shape.top_k, normalize_sigmoid=True, scoring_after_topk=False,
+              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
+              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
+              tokens_full=True, reduce_results=True, lowering="auto")
+    return kw
+
+
 def op_call(x, logits, w13, w2, shape: Shape):
-    r = dict(routing_method="softmax", renormalize=False, routed_scaling_factor=1.0, k_group=1, group_count=1,
-             group_select_mode=0)
-    r.update(shape.routing)
-    return torch.ops.moe_compile.fused_moe(
-        x, logits, w13, w2, None, None, None, num_experts=shape.num_experts, top_k=shape.top_k,
-        normalize_sigmoid=True, scoring_after_topk=False, activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0,
-        gate_up_interleaved=False, apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None,
-        dispatcher_type=None, tokens_full=True, reduce_results=True, lowering="auto", **r)
+    return torch.ops.moe_compile.fused_moe(x, logits, w13, w2, None, None, None, **op_kwargs(shape))
 
 
 def time_pair(direct, via_op, reps: int, sync) -> tuple[float, float]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_eager_call import op_call  # noqa: E402
+from bench_eager_call import op_call, op_kwargs  # noqa: E402
+from bench_op_graphs import loop_us  # noqa: E402
 from bench_moe_layer import SHAPES  # noqa: E402
 from probe_launch import Timers, make_inputs  # noqa: E402
 
@@ -53,25 +53,18 @@ def custom_op_copies():
 
 
 def issue_us(fn, calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    issued = time.perf_counter()
-    torch.cuda.synchronize()
-    return (issued - start) / calls * 1e6
+    return loop_us(fn, calls)[0]
+
+
+def _direct(flag: bool, fn):
+    """``fn`` with the ops' direct dispatch on or off (``registration.DIRECT``) for its calls."""
+    return lambda: (setattr(registration, "DIRECT", flag), fn())[1]
 
 
 def op_variants(shape, m: int) -> tuple[dict, torch.Tensor]:
     x, logits, w13, w2 = make_inputs(shape, m)
     probe = custom_op_copies()
-    kw = dict(routing_method="softmax", renormalize=False, routed_scaling_factor=1.0, k_group=1, group_count=1,
-              group_select_mode=0)
-    kw.update(shape.routing)
-    kw.update(num_experts=shape.num_experts, top_k=shape.top_k, normalize_sigmoid=True, scoring_after_topk=False,
-              activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gate_up_interleaved=False,
-              apply_router_weight_on_input=False, tp_group_name=None, ep_group_name=None, dispatcher_type=None,
-              tokens_full=True, reduce_results=True, lowering="auto")
+    kw = op_kwargs(shape)
     args = (x, logits, w13, w2, None, None, None)
     cfg = co.make_config(**kw, has_bias=False)
     inputs = MoEInputs(x, logits, ExpertWeights(w13, w2, None, None), None)
@@ -81,11 +74,10 @@ def op_variants(shape, m: int) -> tuple[dict, torch.Tensor]:
     key = op_graphs.call_key(inputs, cfg, x.device.index, torch._C._cuda_getCurrentRawStream(x.device.index))
     entry = op_graphs._GRAPHS[key]
     static_x, out = entry.static_in[0], entry.static_out
-    direct = lambda flag, fn: lambda: (setattr(registration, "DIRECT", flag), fn())[1]  # noqa: E731
     variants = {
         "torch.ops, custom_op (before)": lambda: probe.fused_moe(*args, **kw),
-        "torch.ops, ours": direct(True, lambda: op_call(x, logits, w13, w2, shape)),
-        "torch.ops, ours, DIRECT off": direct(False, lambda: op_call(x, logits, w13, w2, shape)),
+        "torch.ops, ours": _direct(True, lambda: op_call(x, logits, w13, w2, shape)),
+        "torch.ops, ours, DIRECT off": _direct(False, lambda: op_call(x, logits, w13, w2, shape)),
         "op body (fused_moe_op._init_fn)": lambda: co.fused_moe_op._init_fn(*args, **kw),
         "CudaLowering.run": lambda: lowering.run(inputs, cfg),
         "op_graphs.replay_hit": lambda: op_graphs.replay_hit(inputs, cfg),
@@ -106,11 +98,11 @@ def router_variants(shape, m: int) -> dict:
     x, _, _, _ = make_inputs(shape, m)
     w = (torch.randn(shape.num_experts, shape.hidden, device="cuda") * shape.hidden ** -0.5).bfloat16()
     probe = custom_op_copies()
-    direct = lambda flag, fn: lambda: (setattr(registration, "DIRECT", flag), fn())[1]  # noqa: E731
     return {
         "router torch.ops, custom_op (before)": lambda: probe.router_logits(x, w, None, torch.bfloat16),
-        "router torch.ops, ours": direct(True, lambda: torch.ops.moe_compile.router_logits(x, w, None, torch.bfloat16)),
-        "router torch.ops, ours, DIRECT off": direct(
+        "router torch.ops, ours": _direct(
+            True, lambda: torch.ops.moe_compile.router_logits(x, w, None, torch.bfloat16)),
+        "router torch.ops, ours, DIRECT off": _direct(
             False, lambda: torch.ops.moe_compile.router_logits(x, w, None, torch.bfloat16)),
         "router body": lambda: router_logits(x, w, None, torch.bfloat16),
         "F.linear (cuBLAS)": lambda: F.linear(x, w),

@@ -20,7 +20,7 @@ graphed Qwen3-30B-A3B one-token ``fused_moe`` call costs 102-130 µs this way ag
   call that records autograd still gets a graph node whose backward raises (the ops are forward-only).
 
 ``register_fake`` and ``_init_fn`` work as on a ``CustomOpDef``. ``MOE_COMPILE_DIRECT_DISPATCH=0``
-(or ``DIRECT = False``) always takes ``custom_op``'s path, for side-by-side measurements.
+(or ``DIRECT = False``) always takes the re-dispatch below autograd, for side-by-side measurements.
 """
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ class Op:
     """One registered op: ``op(...)`` calls it through the dispatcher (``torch.ops.moe_compile.<name>``)."""
 
     def __init__(self, qualname: str, fn: Callable):
-        namespace, name = qualname.split("::")
-        if namespace != _LIB.ns:
-            raise ValueError(f"op: qualname={qualname!r}; expected the namespace {_LIB.ns!r}.")
+        namespace, _, name = qualname.partition("::")
+        if namespace != _LIB.ns or not name.isidentifier():
+            raise ValueError(f"op: qualname={qualname!r}; expected '{_LIB.ns}::<name>'.")
         self._qualname, self._name, self._init_fn = qualname, name, fn
         schema = torch.library.infer_schema(fn, mutates_args=())
         _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))

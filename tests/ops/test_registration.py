@@ -119,6 +119,7 @@ def test_the_op_object_calls_through_the_dispatcher_and_keeps_the_body():
     assert torch.ops.moe_compile._test_scale.default.tags == [torch.Tag.pt2_compliant_tag]
 
 
-def test_a_foreign_namespace_is_refused():
-    with pytest.raises(ValueError, match="qualname='other::f'.*'moe_compile'"):
-        op("other::f")(lambda x: x)
+@pytest.mark.parametrize("qualname", ["other::f", "moe_compile", "moe_compile::", "moe_compile::a::b"])
+def test_a_name_outside_our_namespace_is_refused(qualname):
+    with pytest.raises(ValueError, match=f"qualname={qualname!r}; expected 'moe_compile::<name>'"):
+        op(qualname)(lambda x: x)
