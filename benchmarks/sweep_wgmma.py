@@ -8,7 +8,9 @@ CUDA kernel's variants: ``persistent`` 0 (a CTA per tile), 1 (a CTA per SM, tile
 2 (a CTA per SM, tiles claimed from a device counter) x ``tail`` (blocks of at most 64 rows as
 64-row tiles) x ``group_m``, the kernel compiled without the tail tiles (``NO_TAIL``), and 2- and
 4-CTA clusters sharing the A tile by TMA multicast (``cluster``; skipped where it does not divide
-the GEMM's N-tiles). Every variant's output is checked against the Triton GEMM's first
+the GEMM's N-tiles), and the ping-pong kernel (``pingpong``: a 128 x 128 tile per consumer
+warpgroup, one's K-loop over the other's epilogue; ``--pingpong-only`` times just those and the
+default cooperative variant). Every variant's output is checked against the Triton GEMM's first
 (relative error <= 1e-2) before it is timed. Writes ``sweep_wgmma.json``.
 """
 from __future__ import annotations
@@ -35,6 +37,9 @@ VARIANTS = [dict(persistent=p, tail=True, group_m=g) for p, g in ((2, 8), (0, 8)
 VARIANTS += [dict(persistent=p, tail=False, group_m=8, defines=("NO_TAIL",)) for p in (2, 0)]
 CLUSTER_VARIANTS = [dict(persistent=p, tail=True, group_m=8, cluster=c) for c in (2, 4) for p in (0, 1)]
 VARIANTS += CLUSTER_VARIANTS
+PINGPONG_VARIANTS = [dict(persistent=p, tail=True, group_m=g, pingpong=True, pp_stages=st)
+                     for p, g, st in ((2, 8, 6), (1, 8, 6), (2, 4, 6), (2, 16, 6), (2, 8, 5), (2, 8, 7), (0, 8, 6))]
+VARIANTS += PINGPONG_VARIANTS
 
 
 def sweep(name: str, m: int, reps: int, variants=VARIANTS) -> dict:
@@ -109,12 +114,18 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--clusters-only", action="store_true",
                         help="only the cluster variants and the default (persistent=2) one")
+    parser.add_argument("--pingpong-only", action="store_true",
+                        help="only the ping-pong variants and the default cooperative (persistent=2) one")
     parser.add_argument("--out", default=None, help="directory for sweep_wgmma.json")
     args = parser.parse_args(argv)
     if not wgmma.available(torch.device("cuda")):
         print(f"the CUDA kernel cannot run here: {wgmma.unavailable_reason(0)}")
         return 1
-    variants = VARIANTS[:1] + CLUSTER_VARIANTS if args.clusters_only else VARIANTS
+    variants = VARIANTS
+    if args.clusters_only:
+        variants = VARIANTS[:1] + CLUSTER_VARIANTS
+    elif args.pingpong_only:
+        variants = VARIANTS[:1] + PINGPONG_VARIANTS
     rows = [sweep(name, m, args.reps, variants) for name, m in args.points]
     write_json(args.out, "sweep_wgmma.json", {"variants": variants, "rows": rows})
     return 0

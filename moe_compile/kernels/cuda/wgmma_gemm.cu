@@ -379,3 +379,180 @@ moe_wgmma_gemm(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ T
     cluster_sync();  // peers may still arrive on our "empty" barriers until they are done
 #endif
 }
+
+// Ping-pong (moe_wgmma_gemm_pp): each consumer warpgroup owns a whole [128, 128] accumulator tile
+// (two wgmma.m64n128k16 per K-step, rows 0..63 and 64..127); the producer's tickets alternate
+// between them (ticket t to consumer t % 2), and a "turn" mbarrier lets a consumer issue its
+// K-loop only once the other has issued all of its own. So one consumer's MMAs run while the other
+// forms and stores its tile: the tensor cores are not idle through an epilogue. Gated: the 128
+// accumulator columns are 64 gate and their 64 up rows (64 output columns); plain: 128 columns.
+// A block of at most tail_rows (64) rows issues the first half's MMAs only.
+#ifndef PP_STAGES
+#define PP_STAGES 6
+#endif
+#define PP_BN 128
+#define PP_B_TILE (PP_BN * BK)
+#define PP_STAGE_BYTES ((A_TILE + PP_B_TILE) * 2)
+
+// one consumer's K-loop over its tile's stages it .. it + k_tiles - 1: HALVES = 2, rows 0..127;
+// 1, rows 0..63 only. Returns the stage counter after it.
+template <int HALVES>
+__device__ __forceinline__ int pp_k_loop(float* d, bf16_bits* sA, bf16_bits* sB, u64* full, u64* empty, int it,
+                                         int k_tiles, int lane) {
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        int s = it % PP_STAGES;
+        mbar_wait(&full[s], (it / PP_STAGES) & 1);
+        u32 a_base = smem_addr(sA + s * A_TILE), b_base = smem_addr(sB + s * PP_B_TILE);
+        u32 keep = kt != 0;
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            wgmma_m64n128k16(d, smem_desc(a_base + kk * 32), smem_desc(b_base + kk * 32), keep | kk);
+            if (HALVES == 2)
+                wgmma_m64n128k16(d + 64, smem_desc(a_base + 64 * 128 + kk * 32), smem_desc(b_base + kk * 32),
+                                 keep | kk);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        if (kt > 0 && lane == 0) mbar_arrive(&empty[(it - 1) % PP_STAGES]);
+    }
+    return it;
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+moe_wgmma_gemm_pp(const __grid_constant__ TmaDesc a_desc, const __grid_constant__ TmaDesc w_desc,
+                  bf16_bits* __restrict__ out, const Block* __restrict__ blocks, const int* __restrict__ num_live,
+                  int n_tiles, int k_tiles, int n_total, int ld_out, int group_m, int gated, int tail_rows,
+                  int* __restrict__ tile_counter) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+    bf16_bits* sA = (bf16_bits*)smem;
+    bf16_bits* sB = sA + PP_STAGES * A_TILE;
+    u64* full = (u64*)(sB + PP_STAGES * PP_B_TILE);
+    u64* empty = full + PP_STAGES;
+    u64* tile_full = empty + PP_STAGES;  // slot j: the tickets of consumer j
+    u64* tile_empty = tile_full + 2;
+    u64* turn = tile_empty + 2;          // turn[j]: the other consumer has issued its K-loop
+    int* tile_info = (int*)(turn + 2);   // two slots of 8 ints: tile, pid_n, expert, row0, row_end
+
+    int live_m = *num_live;
+    int total = live_m * n_tiles;
+    int tid = threadIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < PP_STAGES; ++s) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 4);  // lane 0 of each warp of the consumer that read the stage
+        }
+        for (int j = 0; j < 2; ++j) {
+            mbar_init(&tile_full[j], 1);
+            mbar_init(&tile_empty[j], 4);
+            mbar_init(&turn[j], 4);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    int wg = tid / 128;
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (tid == 0) {
+            int it = 0;
+            // every real ticket comes before the first ticket past the end; that one and one more
+            // (made up, not drawn) tell both consumers to stop
+            for (int tickets = 0, ended = 0;; ++tickets) {
+                int tile;
+                if (ended) {
+                    tile = total;
+                } else if (tile_counter) {
+                    tile = atomicAdd(tile_counter, 1);
+                    if (tile == total + (int)gridDim.x - 1) atomicExch(tile_counter, 0);  // the last ticket of all
+                } else {
+                    tile = (int)blockIdx.x + tickets * (int)gridDim.x;
+                }
+                int pid_m = 0, pid_n = 0;
+                Block blk = {0, 0, 0, 0};
+                if (tile < total) {
+                    tile_of(tile, live_m, n_tiles, group_m, pid_m, pid_n);
+                    blk = blocks[pid_m];
+                }
+                int j = tickets & 1;
+                if (tickets >= 2) mbar_wait(&tile_empty[j], ((tickets >> 1) - 1) & 1);
+                int* info = tile_info + 8 * j;
+                info[0] = tile;
+                info[1] = pid_n;
+                info[3] = blk.row0;
+                info[4] = blk.row_end;
+                mbar_arrive(&tile_full[j]);
+                if (tile >= total) {
+                    if (ended++) break;
+                    continue;
+                }
+                for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+                    int s = it % PP_STAGES;
+                    if (it >= PP_STAGES) mbar_wait(&empty[s], ((it / PP_STAGES) - 1) & 1);
+                    mbar_expect_tx(&full[s], PP_STAGE_BYTES);
+                    tma_load(sA + s * A_TILE, &a_desc, &full[s], kt * BK, blk.row0);
+                    // gated: (K, I, 2E) with (64, 64, 2) boxes, 64 gate rows then their 64 up rows;
+                    // plain: (K, E N) with (64, 128) boxes
+                    if (gated)
+                        tma_load3(sB + s * PP_B_TILE, &w_desc, &full[s], kt * BK, pid_n * 64, 2 * blk.expert);
+                    else
+                        tma_load(sB + s * PP_B_TILE, &w_desc, &full[s], kt * BK, blk.expert * n_total + pid_n * 128);
+                }
+            }
+        }
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+        int c = wg - 1;
+        int lane = tid & 31, warp = (tid & 127) >> 5, q = lane & 3;
+        float d[128];  // rows 0..63 in d[0..63], rows 64..127 in d[64..127]
+        for (int t = c;; t += 2) {
+            mbar_wait(&tile_full[c], (t >> 1) & 1);
+            const int* info = tile_info + 8 * c;
+            int tile = info[0], pid_n = info[1], row0 = info[3], row_end = info[4];
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&tile_empty[c]);
+            if (tile >= total) break;
+            bool tail = row_end - row0 <= tail_rows;  // tail_rows: 0 or 64
+            if (t >= 1) mbar_wait(&turn[c], ((t - 1) >> 1) & 1);
+            int it = t * k_tiles;  // every earlier ticket was a real tile of k_tiles stages
+            if (!tail)
+                it = pp_k_loop<2>(d, sA, sB, full, empty, it, k_tiles, lane);
+            else
+                it = pp_k_loop<1>(d, sA, sB, full, empty, it, k_tiles, lane);
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&turn[c ^ 1]);  // the other consumer may issue its K-loop
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(&empty[(it - 1) % PP_STAGES]);
+
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                if (m == 1 && tail) break;
+                const float* e = d + m * 64;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    int row = row0 + m * 64 + warp * 16 + (lane >> 2) + h * 8;
+                    bool ok = row < row_end;
+                    bf16_bits* orow = out + (long long)row * ld_out;
+                    if (gated) {
+                        orow += pid_n * 64;
+#pragma unroll
+                        for (int i = 0; i < 8; i += 2) {  // output chunk i: gate chunk i, up chunk i + 8
+                            u32 lo = pack_bf16(silu(e[i * 4 + h * 2]) * e[(i + 8) * 4 + h * 2],
+                                               silu(e[i * 4 + h * 2 + 1]) * e[(i + 8) * 4 + h * 2 + 1]);
+                            u32 hi = pack_bf16(silu(e[(i + 1) * 4 + h * 2]) * e[(i + 9) * 4 + h * 2],
+                                               silu(e[(i + 1) * 4 + h * 2 + 1]) * e[(i + 9) * 4 + h * 2 + 1]);
+                            store16(orow + i * 8, lo, hi, q, ok);
+                        }
+                    } else {
+                        orow += pid_n * 128;
+#pragma unroll
+                        for (int i = 0; i < 16; i += 2)
+                            store16(orow + i * 8, pack_bf16(e[i * 4 + h * 2], e[i * 4 + h * 2 + 1]),
+                                    pack_bf16(e[(i + 1) * 4 + h * 2], e[(i + 1) * 4 + h * 2 + 1]), q, ok);
+                    }
+                }
+            }
+        }
+    }
+}
