@@ -29,7 +29,8 @@ CUDA_VARIANTS = [dict(persistent=2, group_m=8), dict(persistent=0, group_m=8),
                  dict(persistent=2, group_m=8, tail=False, defines=("NO_TAIL",)),
                  dict(persistent=0, group_m=8, cluster=2), dict(persistent=1, group_m=8, cluster=2),
                  dict(persistent=0, group_m=8, cluster=4),
-                 dict(persistent=2, group_m=8, pingpong=True), dict(persistent=1, group_m=8, pingpong=True)]
+                 dict(persistent=2, group_m=8, pingpong=True), dict(persistent=1, group_m=8, pingpong=True),
+                 dict(persistent=2, group_m=8, pingpong=True, defines=("NO_TURN",))]
 
 
 def main() -> int:

@@ -41,7 +41,8 @@ def run_wgmma(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> None:
     blocks, live = wgmma.block_table(torch.tensor([m], dtype=torch.int32, device="cuda"), m)
     w = b.unsqueeze(0).transpose(1, 2)  # [1, K, N] view of the K-major [1, N, K]
     for var in (dict(), dict(persistent=0, cluster=2), dict(persistent=1, cluster=2), dict(persistent=0, cluster=4),
-                dict(pingpong=True), dict(pingpong=True, persistent=1), dict(pingpong=True, pp_stages=7)):
+                dict(pingpong=True), dict(pingpong=True, persistent=1), dict(pingpong=True, pp_stages=7),
+                dict(pingpong=True, defines=("NO_TURN",))):
         c.zero_()
         wgmma.wgmma_gemm(a, w, c, blocks, live, gated=False, **var)
         torch.cuda.synchronize()

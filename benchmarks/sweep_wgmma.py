@@ -39,6 +39,7 @@ CLUSTER_VARIANTS = [dict(persistent=p, tail=True, group_m=8, cluster=c) for c in
 VARIANTS += CLUSTER_VARIANTS
 PINGPONG_VARIANTS = [dict(persistent=p, tail=True, group_m=g, pingpong=True, pp_stages=st)
                      for p, g, st in ((2, 8, 6), (1, 8, 6), (2, 4, 6), (2, 16, 6), (2, 8, 5), (2, 8, 7), (0, 8, 6))]
+PINGPONG_VARIANTS.append(dict(PINGPONG_VARIANTS[0], defines=("NO_TURN",)))  # no turn barrier
 VARIANTS += PINGPONG_VARIANTS
 
 

@@ -514,7 +514,9 @@ moe_wgmma_gemm_pp(const __grid_constant__ TmaDesc a_desc, const __grid_constant_
             if (lane == 0) mbar_arrive(&tile_empty[c]);
             if (tile >= total) break;
             bool tail = row_end - row0 <= tail_rows;  // tail_rows: 0 or 64
+#ifndef NO_TURN  // (a -D define for measuring: both consumers issue MMAs whenever their data is in)
             if (t >= 1) mbar_wait(&turn[c], ((t - 1) >> 1) & 1);
+#endif
             int it = t * k_tiles;  // every earlier ticket was a real tile of k_tiles stages
             if (!tail)
                 it = pp_k_loop<2>(d, sA, sB, full, empty, it, k_tiles, lane);
