@@ -28,9 +28,7 @@ TRITON_CFG = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_war
 CUDA_VARIANTS = [dict(persistent=2, group_m=8), dict(persistent=0, group_m=8),
                  dict(persistent=2, group_m=8, tail=False, defines=("NO_TAIL",)),
                  dict(persistent=0, group_m=8, cluster=2), dict(persistent=1, group_m=8, cluster=2),
-                 dict(persistent=0, group_m=8, cluster=4),
-                 dict(persistent=2, group_m=8, pingpong=True), dict(persistent=1, group_m=8, pingpong=True),
-                 dict(persistent=2, group_m=8, pingpong=True, defines=("NO_TURN",))]
+                 dict(persistent=0, group_m=8, cluster=4)]
 
 
 def main() -> int:

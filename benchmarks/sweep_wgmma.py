@@ -8,9 +8,7 @@ CUDA kernel's variants: ``persistent`` 0 (a CTA per tile), 1 (a CTA per SM, tile
 2 (a CTA per SM, tiles claimed from a device counter) x ``tail`` (blocks of at most 64 rows as
 64-row tiles) x ``group_m``, the kernel compiled without the tail tiles (``NO_TAIL``), and 2- and
 4-CTA clusters sharing the A tile by TMA multicast (``cluster``; skipped where it does not divide
-the GEMM's N-tiles), and the ping-pong kernel (``pingpong``: a 128 x 128 tile per consumer
-warpgroup, one's K-loop over the other's epilogue; ``--pingpong-only`` times just those and the
-default cooperative variant). Every variant's output is checked against the Triton GEMM's first
+the GEMM's N-tiles). Every variant's output is checked against the Triton GEMM's first
 (relative error <= 1e-2) before it is timed. Writes ``sweep_wgmma.json``.
 """
 from __future__ import annotations
@@ -37,10 +35,6 @@ VARIANTS = [dict(persistent=p, tail=True, group_m=g) for p, g in ((2, 8), (0, 8)
 VARIANTS += [dict(persistent=p, tail=False, group_m=8, defines=("NO_TAIL",)) for p in (2, 0)]
 CLUSTER_VARIANTS = [dict(persistent=p, tail=True, group_m=8, cluster=c) for c in (2, 4) for p in (0, 1)]
 VARIANTS += CLUSTER_VARIANTS
-PINGPONG_VARIANTS = [dict(persistent=p, tail=True, group_m=g, pingpong=True, pp_stages=st)
-                     for p, g, st in ((2, 8, 6), (1, 8, 6), (2, 4, 6), (2, 16, 6), (2, 8, 5), (2, 8, 7), (0, 8, 6))]
-PINGPONG_VARIANTS.append(dict(PINGPONG_VARIANTS[0], defines=("NO_TURN",)))  # no turn barrier
-VARIANTS += PINGPONG_VARIANTS
 
 
 def sweep(name: str, m: int, reps: int, variants=VARIANTS) -> dict:
@@ -54,6 +48,8 @@ def sweep(name: str, m: int, reps: int, variants=VARIANTS) -> dict:
     st = stage_inputs(shape, m, calls)
     for s in st:
         s["table"] = wgmma.block_table(s["al"].counts, pairs)
+        if plan.gemm2.split_k > 1:
+            s["y_split"] = torch.empty(plan.gemm2.split_k, pairs, h, dtype=s["y"].dtype, device="cuda")
     common = dict(top_k=k, expert_map=None)
 
     def gemm1_triton(s, out=None):
@@ -63,8 +59,12 @@ def sweep(name: str, m: int, reps: int, variants=VARIANTS) -> dict:
                  **common)
 
     def gemm2_triton(s, out=None):
-        moe_gemm(s["act"], weights.w2, s["y"] if out is None else out, topk_ids=s["ids"], counts=s["al"].counts,
+        split = plan.gemm2.split_k  # a split-K plan writes one partial per K slice, summed by the combine
+        y = s["y_split"] if split > 1 else (s["y"] if out is None else out)
+        moe_gemm(s["act"], weights.w2, y, topk_ids=s["ids"], counts=s["al"].counts,
                  sorted_pair=s["al"].sorted_pair, gather_a=False, config=plan.gemm2, **common)
+        if split > 1 and out is not None:  # the reference: outside the timing
+            torch.sum(y, dim=0, out=out)
 
     def gemm1_cuda(var):
         def run(s, out=None):
@@ -115,18 +115,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--clusters-only", action="store_true",
                         help="only the cluster variants and the default (persistent=2) one")
-    parser.add_argument("--pingpong-only", action="store_true",
-                        help="only the ping-pong variants and the default cooperative (persistent=2) one")
     parser.add_argument("--out", default=None, help="directory for sweep_wgmma.json")
     args = parser.parse_args(argv)
     if not wgmma.available(torch.device("cuda")):
         print(f"the CUDA kernel cannot run here: {wgmma.unavailable_reason(0)}")
         return 1
-    variants = VARIANTS
-    if args.clusters_only:
-        variants = VARIANTS[:1] + CLUSTER_VARIANTS
-    elif args.pingpong_only:
-        variants = VARIANTS[:1] + PINGPONG_VARIANTS
+    variants = VARIANTS[:1] + CLUSTER_VARIANTS if args.clusters_only else VARIANTS
     rows = [sweep(name, m, args.reps, variants) for name, m in args.points]
     write_json(args.out, "sweep_wgmma.json", {"variants": variants, "rows": rows})
     return 0

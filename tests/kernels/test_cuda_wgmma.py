@@ -43,11 +43,8 @@ def test_kernel_compiles_for_sm90a_without_spills():
     assert len(cubin) > 10_000
     err, log = _nvrtc_log([b"--gpu-architecture=sm_90a", b"-std=c++17", b"--ptxas-options=-v"])
     assert err == 0, log
-    entries = log.split("Compiling entry function")[1:]
-    names = sorted(e.split("'")[1] for e in entries)
-    assert names == ["moe_block_table", "moe_wgmma_gemm", "moe_wgmma_gemm_pp"], log
-    for entry in entries:  # the cooperative and the ping-pong GEMM (and the table)
-        assert "0 bytes spill stores" in entry, log
+    gemm_info = log.split("moe_wgmma_gemm")[-1]
+    assert "0 bytes spill stores" in gemm_info, log
     assert "serialized" not in log, log  # wgmma must stay asynchronous
 
 
@@ -64,24 +61,6 @@ def test_cluster_kernel_compiles_without_spills(cluster):
     assert err == 0, log
     assert "0 bytes spill stores" in log.split("moe_wgmma_gemm")[-1], log
     assert "serialized" not in log, log
-
-
-def test_pingpong_arguments_are_checked():
-    a = torch.zeros(8, 128, dtype=torch.bfloat16)
-    w = torch.zeros(2, 256, 128, dtype=torch.bfloat16).transpose(1, 2)
-    out = torch.zeros(8, 128, dtype=torch.bfloat16)
-    blocks, live = torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="cluster=2 with pingpong=True; the ping-pong kernel takes cluster=1"):
-        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, cluster=2, pingpong=True)
-    with pytest.raises(ValueError, match="pp_stages=9; expected 2 to 7"):
-        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, pingpong=True, pp_stages=9)
-    # plain ping-pong tiles are 128 columns wide, gated ones 64 output columns
-    w_plain = torch.zeros(2, 192, 128, dtype=torch.bfloat16).transpose(1, 2)
-    out_plain = torch.zeros(8, 192, dtype=torch.bfloat16)
-    assert "N=192 is not a multiple of the tile" in wgmma.unsupported(a, w_plain, out_plain, False, pingpong=True)
-    w_gated = torch.zeros(2, 384, 128, dtype=torch.bfloat16).transpose(1, 2)
-    assert wgmma.unsupported(a, w_gated, out_plain, True, pingpong=True) == ""
-    assert "multiple of the tile" in wgmma.unsupported(a, w_gated, out_plain, True)
 
 
 def test_cluster_and_persistent_are_checked():
@@ -171,24 +150,6 @@ def test_block_table_matches_counts(num_experts):
 @pytest.mark.parametrize("num_experts,pairs,k_dim,n_cols", [
     (1, 300, 64, 256), (6, 1000, 256, 512), (16, 3000, 1024, 256), (128, 2500, 768, 768)])
 def test_gemm_matches_torch(gated, num_experts, pairs, k_dim, n_cols, persistent, tail, defines, cluster):
-    _check_gemm(gated, num_experts, pairs, k_dim, n_cols,
-                dict(persistent=persistent, tail=tail, defines=defines, cluster=cluster))
-
-
-@gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("persistent,tail,pp_stages", [(0, True, 6), (1, True, 6), (2, True, 6), (2, False, 6),
-                                                       (2, True, 2), (1, False, 7)])
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("num_experts,pairs,k_dim,n_cols", [
-    (1, 300, 64, 128), (6, 1000, 256, 512), (16, 3000, 1024, 256), (128, 2500, 768, 768), (3, 40, 448, 384)])
-def test_pingpong_gemm_matches_torch(gated, num_experts, pairs, k_dim, n_cols, persistent, tail, pp_stages):
-    _check_gemm(gated, num_experts, pairs, k_dim, n_cols,
-                dict(persistent=persistent, tail=tail, pingpong=True, pp_stages=pp_stages))
-
-
-def _check_gemm(gated, num_experts, pairs, k_dim, n_cols, run):
-    cluster = run.get("cluster", 1)
     gen = torch.Generator().manual_seed(pairs)
     counts = _counts(num_experts, pairs, gen) if num_experts > 1 else torch.tensor([pairs], dtype=torch.int32)
     pairs = int(counts.sum())
@@ -198,8 +159,8 @@ def _check_gemm(gated, num_experts, pairs, k_dim, n_cols, run):
     w = (torch.randn(num_experts, n_total, k_dim, generator=gen) * k_dim ** -0.5).bfloat16().cuda().transpose(1, 2)
     out = torch.full((pairs, n_cols), float("nan"), dtype=torch.bfloat16, device="cuda")
     blocks, live = wgmma.block_table(counts.cuda(), pairs)
-    run = dict(gated=gated, **run)
-    n_tiles = n_cols // wgmma._tile_cols(gated, run.get("pingpong", False))
+    run = dict(gated=gated, persistent=persistent, tail=tail, defines=defines, cluster=cluster)
+    n_tiles = n_cols // (wgmma.GATED_COLS if gated else wgmma.BLOCK_N)
     if n_tiles % cluster:  # a cluster takes `cluster` neighbouring N-tiles
         with pytest.raises(ValueError, match=f"cluster={cluster} does not divide the {n_tiles} N-tiles"):
             wgmma.wgmma_gemm(a, w, out, blocks, live, **run)
@@ -209,7 +170,7 @@ def _check_gemm(gated, num_experts, pairs, k_dim, n_cols, run):
     err = (out.cpu().float() - ref).norm() / ref.norm()
     assert err <= 1e-2, f"relative error {err:.2e}"
     assert not out.isnan().any()
-    if run["persistent"] == 2 or cluster > 1:  # the ticket counter is back at zero; clusters leave nothing behind
+    if persistent == 2 or cluster > 1:  # the ticket counter is back at zero; clusters leave nothing behind
         out2 = torch.empty_like(out)
         wgmma.wgmma_gemm(a, w, out2, blocks, live, **run)
         assert torch.equal(out2, out)
@@ -217,8 +178,7 @@ def _check_gemm(gated, num_experts, pairs, k_dim, n_cols, run):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("pingpong", [False, True])
-def test_gemm_is_captured_by_cuda_graphs(pingpong):
+def test_gemm_is_captured_by_cuda_graphs():
     gen = torch.Generator().manual_seed(0)
     counts = _counts(8, 900, gen)
     pairs = int(counts.sum())
@@ -227,11 +187,11 @@ def test_gemm_is_captured_by_cuda_graphs(pingpong):
     out = torch.empty(pairs, 256, dtype=torch.bfloat16, device="cuda")
     dev_counts = counts.cuda()
     blocks, live = wgmma.block_table(dev_counts, pairs)
-    wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, pingpong=pingpong)  # compile and warm up outside the capture
+    wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True)  # compile and warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         blocks, live = wgmma.block_table(dev_counts, pairs)
-        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True, pingpong=pingpong)
+        wgmma.wgmma_gemm(a, w, out, blocks, live, gated=True)
     out.zero_()
     a.copy_(torch.randn(pairs, 256, generator=gen).bfloat16())
     graph.replay()

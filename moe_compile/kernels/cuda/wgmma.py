@@ -24,12 +24,13 @@ layer runs the Triton GEMMs.
 ``cluster=2``/``4`` (eighth session) runs the CTAs in clusters that share the A tile by TMA
 multicast. It is correct, but at best level with no clusters: 604-627 against 650 TFLOP/s on a
 plain 8192^3 matmul (``benchmarks/probe_cluster.py``), and no faster in the layer's GEMMs. So L2
-traffic is not what holds the kernel back. Still untried: an epilogue that overlaps the other
-consumer's MMAs (ping-pong).
+traffic is not what holds the kernel back.
 
-``pingpong=True`` (thirtieth session) runs ``moe_wgmma_gemm_pp``: each consumer warpgroup owns a
-whole 128 x 128 tile, the tiles alternate between them, and one issues its K-loop while the
-other runs its epilogue (CUTLASS's ping-pong schedule).
+A ping-pong schedule (thirtieth session: each consumer warpgroup owning a whole 128 x 128 tile,
+one issuing its K-loop while the other ran its epilogue, CUTLASS's design) was built, passed the
+tests on the H200 and was 15-25 % slower than this kernel everywhere (509 against 646 TFLOP/s on
+a plain 8192^3 matmul; ``benchmarks/results/pingpong_run*_s30.log``). It was removed again; the
+code is commit 09616bd.
 """
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ SOURCE = Path(__file__).with_name("wgmma_gemm.cu")
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 THREADS = 384
 STAGES = 4
-PP_STAGES = 6  # the ping-pong kernel's ring: 32 KB stages
 GATED_COLS = BLOCK_N // 2  # output columns of one gated tile
-PP_COLS = {True: 64, False: 128}  # output columns of one ping-pong tile, gated / plain
 
 
 def _wgmma_asm() -> str:
@@ -75,14 +74,13 @@ def _check(result, what: str):
     return result[1] if len(result) == 2 else result[1:]
 
 
-def compile_cubin(stages: int = STAGES, defines: tuple[str, ...] = (), pp_stages: int = PP_STAGES) -> bytes:
+def compile_cubin(stages: int = STAGES, defines: tuple[str, ...] = ()) -> bytes:
     """NVRTC: ``wgmma_gemm.cu`` -> sm_90a cubin (runs without a GPU); ``defines``: ``-D`` names
     (``NO_TAIL``: without the 64-row tail tiles; ``CLUSTER=2``/``4``: CTAs per cluster sharing A)."""
     from cuda.bindings import nvrtc
 
     prog = _check(nvrtc.nvrtcCreateProgram(source().encode(), b"wgmma_gemm.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode(),
-            f"-DPP_STAGES={pp_stages}".encode()]
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", f"-DSTAGES={stages}".encode()]
     opts += [f"-D{d}".encode() for d in defines]
     err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
     if int(err) != 0:
@@ -98,10 +96,6 @@ def compile_cubin(stages: int = STAGES, defines: tuple[str, ...] = (), pp_stages
 
 def smem_bytes(stages: int = STAGES) -> int:
     return stages * (BLOCK_M + BLOCK_N) * BLOCK_K * 2 + (2 * stages + 4) * 8 + 2 * 8 * 4 + 1024
-
-
-def smem_bytes_pp(stages: int = PP_STAGES) -> int:
-    return stages * (BLOCK_M + 128) * BLOCK_K * 2 + (2 * stages + 6) * 8 + 2 * 8 * 4 + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,23 +124,18 @@ CLUSTERS = (1, 2, 4)
 
 
 class _Module:
-    def __init__(self, index: int, stages: int, defines: tuple[str, ...], pp_stages: int = PP_STAGES):
+    def __init__(self, index: int, stages: int, defines: tuple[str, ...]):
         from cuda.bindings import driver
 
         torch.cuda.init()
         with torch.cuda.device(index):
             torch.empty(1, device=f"cuda:{index}")  # makes torch's primary context current
-            cubin = compile_cubin(stages, defines, pp_stages)
-            self.module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+            self.module = _check(driver.cuModuleLoadData(compile_cubin(stages, defines)), "cuModuleLoadData")
             self.gemm = _check(driver.cuModuleGetFunction(self.module, b"moe_wgmma_gemm"), "cuModuleGetFunction")
-            self.gemm_pp = _check(driver.cuModuleGetFunction(self.module, b"moe_wgmma_gemm_pp"),
-                                  "cuModuleGetFunction")
             self.table = _check(driver.cuModuleGetFunction(self.module, b"moe_block_table"), "cuModuleGetFunction")
             self.smem = smem_bytes(stages)
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _check((driver.cuFuncSetAttribute(self.gemm, attr, self.smem)[0], None), "cuFuncSetAttribute")
-            self.smem_pp = smem_bytes_pp(pp_stages)
-            _check((driver.cuFuncSetAttribute(self.gemm_pp, attr, self.smem_pp)[0], None), "cuFuncSetAttribute")
             # the dynamic scheduler's ticket counter: zero between launches (the kernel resets it)
             self.counter = torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
             self.resident: dict[int, int] = {}  # cluster size -> CTAs that fit on the device at once
@@ -165,8 +154,8 @@ class _Module:
 
 
 @functools.lru_cache(maxsize=None)
-def _module(index: int, stages: int = STAGES, defines: tuple[str, ...] = (), pp_stages: int = PP_STAGES) -> _Module:
-    return _Module(index, stages, defines, pp_stages)
+def _module(index: int, stages: int = STAGES, defines: tuple[str, ...] = ()) -> _Module:
+    return _Module(index, stages, defines)
 
 
 def _config(grid: int, smem: int, cluster: int, stream):
@@ -224,23 +213,19 @@ def _encode(ptr: int, dims, byte_strides, box):
 _W_MAPS: dict = {}
 
 
-def _weight_map(w: torch.Tensor, gated: bool, pingpong: bool = False):
+def _weight_map(w: torch.Tensor, gated: bool):
     """The 3-D descriptor of the K-major ``[E, N, K]`` storage behind the ``[E, K, N]`` view ``w``:
     gated, ``(K, I, 2E)`` with ``(64, 64, 2)`` boxes (64 gate rows, then the same 64 up rows);
-    plain, ``(K, 128, E N / 128)`` with ``(64, 128, 2)`` boxes (256 rows), or for the ping-pong
-    kernel the 2-D ``(K, E N)`` with ``(64, 128)`` boxes. Weights are laid out once, so the
-    descriptor is made once per tensor (by address and shape)."""
+    plain, ``(K, 128, E N / 128)`` with ``(64, 128, 2)`` boxes (256 rows). Weights are laid out
+    once, so the descriptor is made once per tensor (by address and shape)."""
     num_local, k_dim, n_total = w.shape
-    pingpong = pingpong and not gated  # the gated boxes are the same
-    key = (w.data_ptr(), tuple(w.shape), gated, pingpong, w.device.index)
+    key = (w.data_ptr(), tuple(w.shape), gated, w.device.index)
     desc = _W_MAPS.get(key)
     if desc is None:
         if len(_W_MAPS) > 256:
             _W_MAPS.clear()
         row = k_dim * 2
-        if pingpong:
-            desc = _encode(w.data_ptr(), (k_dim, num_local * n_total), (row,), (BLOCK_K, 128))
-        elif gated:
+        if gated:
             half = n_total // 2
             desc = _encode(w.data_ptr(), (k_dim, half, 2 * num_local), (row, half * row), (BLOCK_K, 64, 2))
         else:
@@ -249,7 +234,7 @@ def _weight_map(w: torch.Tensor, gated: bool, pingpong: bool = False):
     return desc
 
 
-def unsupported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool, pingpong: bool = False) -> str:
+def unsupported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool) -> str:
     """``""`` when ``wgmma_gemm`` takes these tensors (``w`` the ``[E, K, N]`` view); else why not."""
     num_local, k_dim, n_total = w.shape
     n_cols = n_total // 2 if gated else n_total
@@ -257,7 +242,7 @@ def unsupported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool
         return "not bf16"
     if k_dim % BLOCK_K or a.shape[1] != k_dim:
         return f"K={k_dim} is not a multiple of {BLOCK_K}"
-    if n_cols % _tile_cols(gated, pingpong):
+    if n_cols % (GATED_COLS if gated else BLOCK_N):
         return f"N={n_cols} is not a multiple of the tile"
     if not (w.stride(1) == 1 and w.stride(2) == k_dim and w.stride(0) == n_total * k_dim):
         return f"w is not K-major [E, N, K] storage (strides {w.stride()})"
@@ -268,10 +253,6 @@ def unsupported(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, gated: bool
     if num_local > 1024:
         return f"{num_local} local experts (the block table takes at most 1024)"
     return ""
-
-
-def _tile_cols(gated: bool, pingpong: bool) -> int:
-    return PP_COLS[gated] if pingpong else (GATED_COLS if gated else BLOCK_N)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,7 +287,7 @@ def block_table(counts: torch.Tensor, pairs: int) -> tuple[torch.Tensor, torch.T
 
 def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torch.Tensor, live: torch.Tensor,
                *, gated: bool, group_m: int = 8, persistent: int = 2, tail: bool = True, cluster: int = 1,
-               defines: tuple[str, ...] = (), pingpong: bool = False, pp_stages: int = PP_STAGES) -> torch.Tensor:
+               defines: tuple[str, ...] = ()) -> torch.Tensor:
     """``out[r] = (silu(a[r] @ Wg[e]) * (a[r] @ Wu[e]) if gated else a[r] @ W[e])`` for each block's
     rows ``r`` of expert ``e`` (``blocks``/``live`` from ``block_table``); ``w`` is the ``[E, K, N]``
     view of K-major storage (the gate half then the up half of N when gated).
@@ -316,17 +297,12 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
     ``tail``: a block of at most 64 rows runs as a 64-row tile; ``group_m``: M-blocks per N-block
     in the tile order; ``cluster``: 2 or 4 CTAs per cluster take neighbouring N-tiles of one
     M-block, each loading 1 / ``cluster`` of the A tile by TMA multicast into all of them (less L2
-    traffic; the N-tiles must divide by it; persistent 0 or 1); ``pingpong``: the ping-pong kernel
-    (128 x 128 tiles, 64 output columns when gated; cluster 1 only) with a ``pp_stages``-deep ring."""
-    reason = unsupported(a, w, out, gated, pingpong)
+    traffic; the N-tiles must divide by it; persistent 0 or 1)."""
+    reason = unsupported(a, w, out, gated)
     if reason:
         raise ValueError(f"wgmma_gemm: {reason}.")
     if cluster not in CLUSTERS:
         raise ValueError(f"wgmma_gemm: cluster={cluster!r}; expected one of {CLUSTERS}.")
-    if pingpong and cluster != 1:
-        raise ValueError(f"wgmma_gemm: cluster={cluster} with pingpong=True; the ping-pong kernel takes cluster=1.")
-    if pingpong and not 2 <= pp_stages <= 7:
-        raise ValueError(f"wgmma_gemm: pp_stages={pp_stages!r}; expected 2 to 7 (32 KB each in shared memory).")
     if persistent not in (0, 1, 2) or (cluster > 1 and persistent == 2):
         raise ValueError(f"wgmma_gemm: persistent={persistent!r}; expected 0, 1 or 2 (0 or 1 with cluster > 1).")
     if (blocks.dtype != torch.int32 or blocks.dim() != 2 or blocks.shape[1] != 4 or not blocks.is_contiguous()
@@ -335,7 +311,7 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
                         f"{blocks.dtype} {tuple(blocks.shape)} and {live.dtype} {tuple(live.shape)}.")
     num_local, k_dim, n_total = w.shape
     n_cols = n_total // 2 if gated else n_total
-    n_tiles = n_cols // _tile_cols(gated, pingpong)
+    n_tiles = n_cols // (GATED_COLS if gated else BLOCK_N)
     if n_tiles % cluster:
         raise ValueError(f"wgmma_gemm: cluster={cluster} does not divide the {n_tiles} N-tiles "
                          f"(N={n_cols}); use cluster=1.")
@@ -343,18 +319,6 @@ def wgmma_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, blocks: torc
     if m_upper == 0 or a.shape[0] == 0:
         return out
     index = a.device.index or 0
-    if pingpong:
-        mod = _module(index, STAGES, tuple(defines), pp_stages)
-        counter = mod.counter.data_ptr() if persistent == 2 else 0
-        params = [tensor_map(a, BLOCK_M), _weight_map(w, gated, True), ctypes.c_uint64(out.data_ptr()),
-                  ctypes.c_uint64(blocks.data_ptr()), ctypes.c_uint64(live.data_ptr()), ctypes.c_int32(n_tiles),
-                  ctypes.c_int32(k_dim // BLOCK_K), ctypes.c_int32(n_total), ctypes.c_int32(out.stride(0)),
-                  ctypes.c_int32(group_m), ctypes.c_int32(int(gated)), ctypes.c_int32(64 if tail else 0),
-                  ctypes.c_uint64(counter)]
-        tiles = m_upper * n_tiles
-        grid = min(tiles, _sm_count(index)) if persistent else tiles
-        _launch(mod.gemm_pp, grid, THREADS, mod.smem_pp, params)
-        return out
     mod = _module(index, STAGES, tuple(defines) + ((f"CLUSTER={cluster}",) if cluster > 1 else ()))
     params = [tensor_map(a, BLOCK_M // cluster), _weight_map(w, gated), ctypes.c_uint64(out.data_ptr()),
               ctypes.c_uint64(blocks.data_ptr()), ctypes.c_uint64(live.data_ptr()), ctypes.c_int32(n_tiles),
