@@ -5,7 +5,9 @@
 All on the host clock, ``--calls`` calls back to back with no synchronisation between them ("issue µs":
 until the last returns), best of ``--rounds`` rounds alternated in one process:
 
-1. *the op*: ``torch.ops.moe_compile.fused_moe`` (what a compiled graph calls) with op graphs on, registered
+1. *the op*: ``torch.ops.moe_compile.fused_moe`` with op graphs on (the packet, keywords built per call), called
+   as Inductor's wrapper calls it (``.default``, the 21 scalars by keyword) and packed (``fused_moe_packed``,
+   what a graph compiled with ``pack_args`` calls, ``moe_compile/ops/packed.py``), registered
    as ``moe_compile`` registers it (``ops/registration.py``), the same with ``registration.DIRECT`` off
    (every call re-dispatched below autograd, as ``custom_op`` does), and the same body registered through
    ``torch.library.custom_op`` (how the ops were registered before); the body called directly;
@@ -74,9 +76,13 @@ def op_variants(shape, m: int) -> tuple[dict, torch.Tensor]:
     key = op_graphs.call_key(inputs, cfg, x.device.index, torch._C._cuda_getCurrentRawStream(x.device.index))
     entry = op_graphs._GRAPHS[key]
     static_x, out = entry.static_in[0], entry.static_out
+    plain, packed_op = torch.ops.moe_compile.fused_moe.default, torch.ops.moe_compile.fused_moe_packed.default
+    text = json.dumps([kw[a.name] for a in plain._schema.arguments[7:]])
     variants = {
         "torch.ops, custom_op (before)": lambda: probe.fused_moe(*args, **kw),
         "torch.ops, ours": _direct(True, lambda: op_call(x, logits, w13, w2, shape)),
+        ".default, scalars by keyword (Inductor's call)": lambda: plain(*args, **kw),
+        "packed op (Inductor's call, pack_args)": lambda: packed_op(*args, text),
         "torch.ops, ours, DIRECT off": _direct(False, lambda: op_call(x, logits, w13, w2, shape)),
         "op body (fused_moe_op._init_fn)": lambda: co.fused_moe_op._init_fn(*args, **kw),
         "CudaLowering.run": lambda: lowering.run(inputs, cfg),

@@ -2,6 +2,7 @@
 
     python benchmarks/probe_op_graphs_e2e.py [--model qwen3] [--size decode1] [--rounds 6] [--reps 30] [--profile]
     python benchmarks/probe_op_graphs_e2e.py --switch dispatch --vs-inductor   # direct dispatch off / on, and inductor
+    python benchmarks/probe_op_graphs_e2e.py --switch pack --vs-inductor   # packed op arguments off / on, and inductor
 
 ``bench_e2e.py`` compiles a model once per mode, so its ``moe_npu`` and ``moe_npu-plain`` rows come from
 two compiles and two stretches of time. Here one ``torch.compile(model, backend="moe_npu")`` serves
@@ -10,7 +11,8 @@ cached while off). Per forward: *issue ms* (host time until the call returns, no
 inside the round) and *latency ms* (CUDA events around one forward, synchronised; ``bench_e2e.py``'s
 figure); the median over the round, then the best round. ``--profile`` adds a ``torch.profiler``
 table of each mode (top host-time ops of 10 forwards). ``--switch dispatch`` keeps op graphs on and switches
-the ops' direct dispatch instead (``moe_compile/ops/registration.py``); ``--vs-inductor`` adds a copy of the
+the ops' direct dispatch instead (``moe_compile/ops/registration.py``); ``--switch pack`` compares two
+compiles of the model, with ``pack_args`` off and on (``moe_compile/ops/packed.py``); ``--vs-inductor`` adds a copy of the
 model compiled with inductor (no CUDA graphs either) to the same rounds.
 """
 from __future__ import annotations
@@ -54,9 +56,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--switch", choices=["op_graphs", "dispatch"], default="op_graphs",
+    parser.add_argument("--switch", choices=["op_graphs", "dispatch", "pack"], default="op_graphs",
                         help="what differs between the two moe_npu sides: the op's own CUDA graphs, or (graphs on) "
-                             "the ops' direct dispatch (moe_compile.ops.registration.DIRECT)")
+                             "the ops' direct dispatch (moe_compile.ops.registration.DIRECT), or (graphs on) "
+                             "two compiles, options pack_args False / True")
     parser.add_argument("--vs-inductor", action="store_true",
                         help="also time a copy of the model compiled with inductor, in the same rounds")
     args = parser.parse_args(argv)
@@ -68,17 +71,24 @@ def main(argv=None) -> int:
     model = build(args.model, args.layers, False, "cuda")
     ids = torch.randint(0, model.config.vocab_size, SIZES[args.size], device="cuda")
     twin = copy.deepcopy(model) if args.vs_inductor else None
+    unpacked = copy.deepcopy(model) if args.switch == "pack" else None
     compiled = torch.compile(model, backend="moe_npu")
     fn = lambda: compiled(input_ids=ids, use_cache=False)  # noqa: E731
+    fn_off = fn
+    if unpacked is not None:
+        compiled_off = torch.compile(unpacked, backend="moe_npu", options={"pack_args": False})
+        fn_off = lambda: compiled_off(input_ids=ids, use_cache=False)  # noqa: E731
 
     def switch(on: bool) -> None:
         if args.switch == "op_graphs":
             op_graphs.configure(enabled=on)
+        elif args.switch == "pack":
+            op_graphs.configure(enabled=True)
         else:
             op_graphs.configure(enabled=True)
             registration.DIRECT = on
 
-    sides = {False: fn, True: fn}
+    sides = {False: fn_off, True: fn}
     names = {False: f"{args.switch} off", True: f"{args.switch} on "}
     if twin is not None:
         inductor = torch.compile(twin, backend="inductor")
@@ -87,7 +97,8 @@ def main(argv=None) -> int:
     best = {side: [float("inf")] * 2 for side in sides}
     with torch.no_grad():
         switch(False)
-        ref = fn().logits.float()
+        for _ in range(3):
+            ref = fn_off().logits.float()
         switch(True)
         for _ in range(3):  # the second call of each op captures its graph, the third replays it
             out = fn().logits.float()
@@ -115,7 +126,7 @@ def main(argv=None) -> int:
                 switch(on)
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(10):
-                        fn()
+                        sides[on]()
                     torch.cuda.synchronize()
                 print(f"--- {names[on].strip()}: 10 forwards")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))

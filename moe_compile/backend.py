@@ -28,6 +28,7 @@ import warnings
 
 import torch
 
+from moe_compile.ops.packed import pack_calls
 from moe_compile.options import BackendConfig, InnerCompiler, parse_options
 from moe_compile.report import record_graphs
 
@@ -216,6 +217,8 @@ def _aot(gm, example_inputs, moe_pass):
         moe_pass(fx_g.graph)
         fx_g.recompile()
         _graphs_done(moe_pass.config, before, fx_g.print_readable(print_output=False))
+        if moe_pass.config.pack_args and pack_calls(fx_g.graph):  # after the reports: they keep the plain call
+            fx_g.recompile()
         return boxed_nop(fx_g, fake_inputs)
 
     return aot_autograd(fw_compiler=boxed_nop, inference_compiler=inference)(gm, example_inputs)
@@ -277,8 +280,10 @@ def _compile_inductor(gm, example_inputs, config: BackendConfig, moe_pass, decis
         after = graph.python_code("self").src
         _graphs_done(config, before, after)
         inlined = config.cpu_decode and _inline_cpu_decode(graph)
+        packed = config.pack_args and pack_calls(graph) > 0
         _no_partitions_for_data_dependent_graphs(graph)
-        hook.touched = touched or after != before or inlined or inductor_config.graph_partition != partitions
+        hook.touched = (touched or after != before or inlined or packed
+                        or inductor_config.graph_partition != partitions)
 
     uncached = compile_cache.uncached_reason(config)
     uuid = None if uncached else compile_cache.pass_uuid(config, moe_pass.op_kwargs, gm, example_inputs)

@@ -68,7 +68,7 @@ def package_hash() -> str:
 def _config_text(config: BackendConfig, op_kwargs: dict) -> str:
     classes = ["%s.%s" % (c.__module__, c.__qualname__) for c in config.exclude_classes]
     return repr((config.lowering.value, sorted(config.exclude_paths), sorted(classes), config.compile_mode,
-                 config.experts_only, config.cpu_decode, sorted(op_kwargs.items())))
+                 config.experts_only, config.cpu_decode, config.pack_args, sorted(op_kwargs.items())))
 
 
 def pass_uuid(config: BackendConfig, op_kwargs: dict, gm: torch.fx.GraphModule, example_inputs) -> str:

@@ -29,6 +29,7 @@ class BackendConfig:
     verify: bool = False
     experts_only: bool = True  # routers the op cannot express stay; their experts become fused_experts
     cpu_decode: bool = True  # CPU + Inductor, fixed few tokens: the experts as gather-GEMVs in the graph
+    pack_args: bool = True  # compiled graphs call the fused ops with their scalars packed (ops/packed.py)
     torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
@@ -54,6 +55,9 @@ VALID_OPTIONS = {
     "cpu_decode": "a bool (default True): on the CPU under Inductor, a graph whose token count is fixed and whose "
                   "top-k pairs are no more than the experts computes the experts as gather-GEMVs that Inductor "
                   "compiles with the graph, instead of calling the op",
+    "pack_args": "a bool (default True): the compiled graph calls the fused ops with their scalar arguments "
+                 "packed into one string (moe_compile::fused_moe_packed: 8 arguments for the dispatcher to convert "
+                 "per call instead of 28); False keeps the plain call",
     "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
@@ -114,7 +118,7 @@ def parse_options(options: dict | None) -> BackendConfig:
         kwargs["torchair_mode"] = parse_enum(TorchairMode, options["torchair_mode"], "options['torchair_mode']")
     if "exclude" in options:
         kwargs["exclude_paths"], kwargs["exclude_classes"] = _exclude(options["exclude"])
-    for name in ("verify", "experts_only", "cpu_decode"):
+    for name in ("verify", "experts_only", "cpu_decode", "pack_args"):
         if name in options:
             if not isinstance(options[name], bool):
                 raise TypeError("options[%r] must be a bool, but got %r" % (name, options[name]))
