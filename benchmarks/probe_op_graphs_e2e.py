@@ -12,8 +12,8 @@ inside the round) and *latency ms* (CUDA events around one forward, synchronised
 figure); the median over the round, then the best round. ``--profile`` adds a ``torch.profiler``
 table of each mode (top host-time ops of 10 forwards). ``--switch dispatch`` keeps op graphs on and switches
 the ops' direct dispatch instead (``moe_compile/ops/registration.py``); ``--switch pack`` compares two
-compiles of the model, with ``pack_args`` off and on (``moe_compile/ops/packed.py``); ``--vs-inductor`` adds a copy of the
-model compiled with inductor (no CUDA graphs either) to the same rounds.
+compiles of the model, with ``pack_args`` off and on (``moe_compile/ops/packed.py``); ``--vs-inductor`` adds
+a copy of the model compiled with inductor (no CUDA graphs either) to the same rounds.
 """
 from __future__ import annotations
 
