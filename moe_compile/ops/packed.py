@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
+from moe_compile.lowering.inline import bind_args
 from moe_compile.ops import custom_op as co
 from moe_compile.ops.registration import op
+
+log = logging.getLogger("moe_compile")
 
 TENSORS = 7  # both ops' tensor arguments come first: 7 of them
 _PLAIN = (bool, int, float, str, type(None))
@@ -95,8 +99,6 @@ def packed_overloads() -> dict:
 
 def _values(target, args, kwargs) -> list:
     """The op's arguments in its schema's order."""
-    from moe_compile.lowering.inline import bind_args
-
     bound = bind_args(target, args, kwargs)
     return [bound[a.name] for a in target._schema.arguments]
 
@@ -111,7 +113,9 @@ def pack_calls(graph: fx.Graph) -> int:
             continue
         values = _values(node.target, node.args, node.kwargs)
         scalars = values[TENSORS:]
-        if not all(type(v) in _PLAIN for v in scalars):  # e.g. a SymInt: left as it is
+        odd = [(a.name, v) for a, v in zip(node.target._schema.arguments[TENSORS:], scalars) if type(v) not in _PLAIN]
+        if odd:  # e.g. a SymInt: left as it is
+            log.debug("moe_compile: %s keeps its plain call: %s=%r is not a plain value to pack", node.name, *odd[0])
             continue
         text = json.dumps(scalars)
         with graph.inserting_before(node):

@@ -4,6 +4,7 @@ them (unless ``pack_args=False``), on Inductor's CPU path and under ``aot_eager`
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -47,24 +48,26 @@ def test_unpack_names_the_argument_and_what_it_expects():
     assert FUSED_MOE_SCALARS == len(MOE_SCALARS) and FUSED_EXPERTS_SCALARS == len(EXPERTS_SCALARS)
 
 
-@pytest.mark.parametrize("routing", [dict(), dict(routing_method="sigmoid", renormalize=False,
-                                                  routed_scaling_factor=2.5, activation="gelu")])
-def test_packed_fused_moe_equals_the_plain_op(routing):
-    x, logits, w13, w2 = _tensors()
-    scalars = {**MOE_SCALARS, **routing}
-    plain = torch.ops.moe_compile.fused_moe.default(x, logits, w13, w2, None, None, None, **scalars)
-    got = torch.ops.moe_compile.fused_moe_packed.default(x, logits, w13, w2, None, None, None,
-                                                         json.dumps(list(scalars.values())))
-    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+def _plain_and_packed(name, scalars, seed):
+    """Both ops' outputs on the same inputs: ``fused_moe`` on router logits, ``fused_experts`` on its top-k."""
+    x, logits, w13, w2 = _tensors(seed)
+    if name == "fused_moe":
+        tensors = (x, logits, w13, w2, None, None, None)
+    else:
+        weights, ids = torch.topk(logits.softmax(-1), TOP_K)
+        tensors = (x, weights, ids.to(torch.int32), w13, w2, None, None)
+    plain = getattr(torch.ops.moe_compile, name).default(*tensors, **scalars)
+    packed_op = getattr(torch.ops.moe_compile, name + "_packed").default
+    return plain, packed_op(*tensors, json.dumps(list(scalars.values())))
 
 
-def test_packed_fused_experts_equals_the_plain_op():
-    x, logits, w13, w2 = _tensors(1)
-    weights, ids = torch.topk(logits.softmax(-1), TOP_K)
-    ids = ids.to(torch.int32)
-    plain = torch.ops.moe_compile.fused_experts.default(x, weights, ids, w13, w2, None, None, **EXPERTS_SCALARS)
-    got = torch.ops.moe_compile.fused_experts_packed.default(x, weights, ids, w13, w2, None, None,
-                                                             json.dumps(list(EXPERTS_SCALARS.values())))
+@pytest.mark.parametrize("name,scalars", [
+    ("fused_moe", MOE_SCALARS),
+    ("fused_moe", {**MOE_SCALARS, "routing_method": "sigmoid", "renormalize": False, "routed_scaling_factor": 2.5,
+                   "activation": "gelu"}),
+    ("fused_experts", EXPERTS_SCALARS)])
+def test_packed_op_equals_the_plain_op(name, scalars):
+    plain, got = _plain_and_packed(name, scalars, seed=1)
     torch.testing.assert_close(got, plain, rtol=0, atol=0)
 
 
@@ -102,14 +105,16 @@ def test_pack_calls_swaps_the_node_and_keeps_what_it_computes():
     assert pack_calls(graph) == 0  # nothing left to pack
 
 
-def test_pack_calls_leaves_a_symbolic_scalar_as_it_is():
+def test_pack_calls_leaves_a_symbolic_scalar_as_it_is_and_says_why(caplog):
     graph = fx.Graph()
     k = graph.placeholder("k")
     node = graph.call_function(torch.ops.moe_compile.fused_moe.default, (k, k, k, k, None, None, None),
                                {**MOE_SCALARS, "top_k": k})  # a node where an int goes: a SymInt's shape
     graph.output(node)
-    assert pack_calls(graph) == 0
+    with caplog.at_level(logging.DEBUG, logger="moe_compile"):
+        assert pack_calls(graph) == 0
     assert node in graph.nodes
+    assert "keeps its plain call: top_k=k is not a plain value to pack" in caplog.text
 
 
 def _layer(w13, w2):
