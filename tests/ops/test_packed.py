@@ -105,16 +105,16 @@ def test_pack_calls_swaps_the_node_and_keeps_what_it_computes():
     assert pack_calls(graph) == 0  # nothing left to pack
 
 
-def test_pack_calls_leaves_a_symbolic_scalar_as_it_is_and_says_why(caplog):
+def test_pack_calls_leaves_a_symbolic_scalar_as_it_is_and_says_why(moe_log):
     graph = fx.Graph()
     k = graph.placeholder("k")
     node = graph.call_function(torch.ops.moe_compile.fused_moe.default, (k, k, k, k, None, None, None),
                                {**MOE_SCALARS, "top_k": k})  # a node where an int goes: a SymInt's shape
     graph.output(node)
-    with caplog.at_level(logging.DEBUG, logger="moe_compile"):
+    with moe_log.at_level(logging.DEBUG, logger="moe_compile"):
         assert pack_calls(graph) == 0
     assert node in graph.nodes
-    assert "keeps its plain call: top_k=k is not a plain value to pack" in caplog.text
+    assert "keeps its plain call: top_k=k is not a plain value to pack" in moe_log.text
 
 
 def _layer(w13, w2):
