@@ -36,6 +36,7 @@ log = logging.getLogger("moe_compile")
 MAX_WEIGHT_CANDIDATES = 4
 CONFIRM_TRIALS = (11, 12)
 _SEED = 5000  # probe seeds apart from the full match's
+_PICKS = (aten.argmax.default, aten.max.dim)
 _NO_OUTPUT = "no node after the expert ids is shaped like the block's output"
 _NO_WEIGHTS = "no floating [tokens, top_k] weights made from the router's scores reach the block's output"
 # reasons that say there are no experts here at all (not reported for routers without a top-k)
@@ -83,17 +84,37 @@ class RoutedMatch:
 
 # -- finding routed pairs ---------------------------------------------------------------------
 def _int_pairs(ctx, graph: fx.Graph, topk_ids: set[fx.Node]) -> list[fx.Node]:
-    """Roots of integer 2-D ``[T, k]`` tensors (k <= 64); a top-k's indices only when in ``topk_ids``."""
+    """Roots of integer 2-D ``[T, k]`` tensors (k <= 64), and the 1-D ``[T]`` picks of a top-1 router (an argmax
+    or a max's indices over ``[T, E]`` scores); a top-k's indices only when in ``topk_ids``."""
     out = []
     for node in graph.nodes:
         v = val(node)
         if (node.op != "call_function" or not isinstance(v, torch.Tensor) or v.is_floating_point()
-                or v.dtype == torch.bool or v.dim() != 2 or (_from_topk(node) and node not in topk_ids)):
+                or v.dtype == torch.bool or (_from_topk(node) and node not in topk_ids)):
             continue
         shape = ctx.conc.shape(node)
-        if shape is not None and 1 <= shape[1] <= 64 and mt._root(node) is node:
+        if shape is None or mt._root(node) is not node:
+            continue
+        if (v.dim() == 2 and 1 <= shape[1] <= 64) or (v.dim() == 1 and _is_top1_pick(node)):
             out.append(node)
     return out
+
+
+def _pair_shape(ctx, ids: fx.Node) -> tuple[int, int]:
+    """(tokens, k) of routed ids: ``[T, k]``, or ``[T]`` for a top-1 pick."""
+    shape = ctx.conc.shape(ids)
+    return (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
+
+
+def _is_top1_pick(node: fx.Node) -> bool:
+    """``scores.argmax(-1)`` or ``scores.max(-1)``'s indices, over floating 2-D scores."""
+    pick = node.args[0] if is_getitem(node) and node.args[1] == 1 else node
+    if not isinstance(pick, fx.Node) or pick.op != "call_function" or pick.target not in _PICKS:
+        return False
+    scores = val(pick.args[0]) if pick.args and isinstance(pick.args[0], fx.Node) else None
+    dim = pick.args[1] if len(pick.args) > 1 else pick.kwargs.get("dim")
+    return (isinstance(scores, torch.Tensor) and scores.is_floating_point() and scores.dim() == 2
+            and dim in (1, -1) and (pick is node) == (pick.target is aten.argmax.default))
 
 
 def _from_topk(node: fx.Node) -> bool:
@@ -117,7 +138,7 @@ def find_routed(ctx, graph: fx.Graph, claimed: set[fx.Node], topk_ids: set[fx.No
     the indices of top-k ops that found no router matmul of their width (Inkling's has E + shared outputs)."""
     found = []
     for ids in _int_pairs(ctx, graph, topk_ids):
-        tokens, k = ctx.conc.shape(ids)
+        tokens, k = _pair_shape(ctx, ids)
         router = _router_of(ctx, ids, tokens, k)
         if router is None or router[0] in claimed:
             continue
