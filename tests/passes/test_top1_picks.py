@@ -139,3 +139,22 @@ def test_an_argmax_without_experts_is_not_reported(make):
     torch.manual_seed(0)
     report, diff = explain_and_compare(make().eval(), {"x_BSD": _x()})
     assert diff <= TOL[torch.float32] and not report.blocks, str(report)
+
+
+def test_a_top1_pick_block_on_the_emulated_npu():
+    """The experts-only rewrite of a top-1 pick lowers to the NPU ops (k=1), inside emulated_npu(poison=True)."""
+    from moe_compile.testing import emulated_npu
+
+    model, x = _model(pick="max"), _x()
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            eager = model(x)
+            with emulated_npu(poison=True) as npu:
+                compiled = torch.compile(model, backend="moe_npu",
+                                         options={"lowering": "npu", "inner_compiler": "aot_eager"})
+                out = compiled(x)
+    finally:
+        torch._dynamo.reset()
+    assert dict(npu.calls) == {"npu_moe_init_routing_v2": 1, "npu_grouped_matmul": 2, "npu_swiglu": 1}
+    assert max_rel_diff(out, eager) <= TOL[torch.float32]
