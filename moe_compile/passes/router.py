@@ -10,6 +10,7 @@ ordered by what the structure suggests. This recognises every spelling of the sa
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -132,6 +133,9 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
             return ("no router matmul with %d outputs feeds the top-k: its scores are inputs of this graph "
                     "(a router in another graph after a graph break, or a top-k that is not a router, such as "
                     "a load-balancing loss over the router logits)" % num_experts)
+        if _expert_choice(upstream, sval):
+            return ("the top-k picks %d of the %s tokens for each of the %s experts (expert-choice routing: "
+                    "the op routes each token to its experts)" % (top_k, sval.shape[-1], sval.shape[-2]))
         return "no router matmul with %d outputs feeds the top-k" % num_experts
     x, weight = _matmul_operands(logits, names)
     if x is None:
@@ -144,6 +148,19 @@ def _anchor(topk: fx.Node, names: dict | None) -> RouterAnchor | str:
     chain = {n for n in backward_slice([scores], {logits}) if n.op == "call_function"}
     bias = _selection_bias(chain, num_experts)
     return RouterAnchor(topk, ids, values, logits, x, weight, num_experts, top_k, chain, bias)
+
+
+def _expert_choice(upstream: set[fx.Node], scores: torch.Tensor) -> bool:
+    """Whether the top-k's 2-D ``[E, T]`` scores are a router matmul's ``[T, E]`` outputs transposed."""
+    if scores.dim() != 2:
+        return False
+    for node in upstream:
+        v = val(node)
+        if node.target in MATMUL_OPS and isinstance(v, torch.Tensor) and v.dim() == 2:
+            with contextlib.suppress(GuardOnDataDependentSymNode):
+                if v.shape[0] == scores.shape[1] and v.shape[1] == scores.shape[0] != scores.shape[1]:
+                    return True
+    return False
 
 
 _STOP_OPS = MATMUL_OPS | {getattr(aten, name).default for name in ("_grouped_mm", "baddbmm", "einsum")

@@ -1,6 +1,6 @@
 """Hand-written block spellings: expert names with more than one number, a Llama-4 router transposed
-before its sigmoid, a top-k over ``[B, S, E]`` scores, the reasons for experts the op cannot take,
-and the model that is itself the block."""
+before its sigmoid, a top-k over ``[B, S, E]`` scores, the reasons for experts (and expert-choice routing) the op
+cannot take, and the model that is itself the block."""
 from __future__ import annotations
 
 import pytest
@@ -156,11 +156,20 @@ class UnsupportedMoE(nn.Module):
                 "computed": (F.silu, True), "normed": (F.silu, True)}
         if kind in acts:
             self.experts = Experts3D(*acts[kind], computed=kind == "computed", normed=kind == "normed")
+        elif kind == "expert_choice":
+            self.experts = Experts3D(F.silu, True)
         elif kind == "one_linear":
             self.up = nn.Linear(H, E * 2 * I, bias=False)
             self.down = nn.Parameter(torch.randn(E, I, H) * 0.1)
 
     def forward(self, x):
+        if self.kind == "expert_choice":  # each expert picks its 4 tokens: a top-k over the tokens
+            weights_EC, tokens_EC = self.gate(x).softmax(-1).t().topk(4, dim=-1)
+            out = torch.zeros_like(x)
+            for e in range(E):
+                y = self.experts.mlp(e, x[tokens_EC[e]], self.experts.w13) * weights_EC[e, :, None]
+                out.index_add_(0, tokens_EC[e], y)
+            return out
         weights, ids = torch.topk(self.gate(x).softmax(-1), K, dim=-1)
         if self.kind == "no_weights":
             return x * (weights * (ids + 1)).sum(-1, keepdim=True)  # no expert weights at all
@@ -182,6 +191,7 @@ class UnsupportedMoE(nn.Module):
     ("gelu_tanh", ["expert weights [8, 48, 32], [8, 32, 48] found", "non-gated", "gelu(approximate='tanh')"]),
     ("computed", ["computed in the graph from parameters", "[8, 96, 32] by add"]),
     ("one_linear", ["[8, 48, 32] found", "weight [768, 32] that holds all 8 experts in one matrix"]),
+    ("expert_choice", ["the top-k picks 4 of the 12 tokens for each of the 8 experts (expert-choice routing"]),
     ("normed", ["[8, 96, 32], [8, 32, 48] found (read as gated experts, activations silu", "computes something"]),
 ])
 def test_reason_says_what_the_experts_were(kind, words):
