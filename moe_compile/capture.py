@@ -20,7 +20,9 @@ graphs on either side.
 """
 from __future__ import annotations
 
+import linecache
 import logging
+import re
 import sys
 
 import torch
@@ -82,6 +84,26 @@ def _data_dependent(error: BaseException) -> BaseException | None:
     return None
 
 
+_USER_FRAME = re.compile(r'File "([^"]+)", line (\d+), in ')
+_BRANCH = re.compile(r"^(if|elif|while|assert)\b")
+
+
+def user_line(message: str) -> str:
+    """`` at file:line: `source` `` for the last user frame of a data-dependent guard's message, with a hint
+    when that line branches on the value (``if tokens.numel() == 0: continue``); "" when it names none."""
+    stack = message.split("User Stack", 1)
+    frames = _USER_FRAME.findall(stack[1]) if len(stack) == 2 else []
+    if not frames:
+        return ""
+    path, line = frames[-1][0], int(frames[-1][1])
+    source = linecache.getline(path, line).strip()
+    out = " at %s:%d" % (path, line) + (": `%s`" % source[:120] if source else "")
+    if _BRANCH.match(source):
+        out += (" (a Python branch on a data-dependent value: an expert loop needs no branch for an expert "
+                "without tokens, and without it the loop can be captured)")
+    return out
+
+
 def _retrace_without_flags(code, error: BaseException) -> None:
     """Turn this compile's flags off and ask Dynamo to trace the frame again."""
     from moe_compile.report import BlockDecision, record
@@ -92,10 +114,10 @@ def _retrace_without_flags(code, error: BaseException) -> None:
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     where = "<frame %s at %s:%s>" % (code.co_name, code.co_filename, code.co_firstlineno)
     record(BlockDecision(path=where, reason=(
-        "this frame could not be traced or compiled while capturing data-dependent shapes (%s: %s); it was traced "
-        "again without that capture, as without moe_npu, so MoE blocks in it that need it (expert loops "
+        "this frame could not be traced or compiled while capturing data-dependent shapes (%s: %s)%s; it was "
+        "traced again without that capture, as without moe_npu, so MoE blocks in it that need it (expert loops "
         "over torch.where/.tolist()) are split by graph breaks and left as they were" % (
-            type(error).__name__, first[:160]))))
+            type(error).__name__, first[:160], user_line(str(error))))))
     raise torch._dynamo.exc.RestartAnalysis(restart_reason="moe_compile: retrace without data-dependent capture")
 
 

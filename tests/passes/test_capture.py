@@ -39,7 +39,13 @@ class _Loop(nn.Module):
     def forward(self, x):
         p, i = self.gate(x).softmax(-1).topk(K, -1)
         out = torch.zeros_like(x)
-        if self.spelling == "unique_tolist":
+        if self.spelling in ("empty_branch", "no_branch"):
+            for e in range(E):
+                t, k = torch.where(i == e)
+                if self.spelling == "empty_branch" and t.numel() == 0:  # a branch on a data-dependent count
+                    continue
+                out.index_add_(0, t, self.experts[e](x[t]) * p[t, k, None])
+        elif self.spelling == "unique_tolist":
             for e in i.unique().tolist():
                 t, k = torch.where(i == e)
                 out.index_add_(0, t, self.experts[e](x[t]) * p[t, k, None])
@@ -52,7 +58,7 @@ class _Loop(nn.Module):
         return out
 
 
-@pytest.mark.parametrize("spelling", ["unique_tolist", "bincount_split"])
+@pytest.mark.parametrize("spelling", ["unique_tolist", "bincount_split", "empty_branch"])
 def test_a_frame_that_fails_under_capture_is_traced_again_without_it(spelling):
     torch.manual_seed(0)
     model = _Loop(spelling).eval()
@@ -67,6 +73,28 @@ def test_a_frame_that_fails_under_capture_is_traced_again_without_it(spelling):
     assert any("traced again without that capture" in reason and "GuardOnDataDependentSymNode" in reason
                for _, reason in report.skipped), report.skipped
     assert torch._dynamo.utils.counters["moe_compile"]["pass_failed"] == 0
+
+
+def test_the_reason_names_the_users_line_and_a_branch_on_a_data_dependent_count():
+    torch.manual_seed(0)
+    x = torch.randn(10, H)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = moe_compile.explain(_Loop("empty_branch").eval(), x, options={"inner_compiler": "aot_eager"})
+        fixed = moe_compile.explain(_Loop("no_branch").eval(), x, options={"inner_compiler": "aot_eager"})
+    line = next(n for n, text in enumerate(open(__file__), 1) if "and t.numel() == 0:" in text)
+    (reason,) = [r for path, r in report.skipped if path.startswith("<frame forward")]
+    assert "at %s:%d: `if self.spelling == " % (__file__, line) in reason, reason
+    assert "(a Python branch on a data-dependent value: an expert loop needs no branch" in reason, reason
+    assert fixed.rewritten == [""], str(fixed)  # what the hint says: without the branch the loop is captured
+
+
+def test_user_line_without_a_user_stack():
+    from moe_compile.capture import user_line
+
+    assert user_line("Could not guard on data-dependent expression Eq(u0, 0)") == ""
+    assert user_line('User Stack (most recent call last):\n  File "<string>", line 3, in forward') == \
+        " at <string>:3"
 
 
 def test_capture_still_on_for_frames_that_need_it_and_off_after():
