@@ -5,6 +5,7 @@ from moe_compile.ops.weight_cache import refresh_weights
 from moe_compile.report import Report, exclude
 from moe_compile import backend as _backend  # registers backend="moe_npu"
 from moe_compile.explain import explain
+from moe_compile.export import rewrite_exported
 
-__all__ = ["Report", "exclude", "explain", "fused_moe", "refresh_weights"]
+__all__ = ["Report", "exclude", "explain", "fused_moe", "refresh_weights", "rewrite_exported"]
 __version__ = "0.1.0"

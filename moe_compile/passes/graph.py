@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 
 import sympy
 import torch
@@ -41,17 +42,28 @@ def module_class(node: fx.Node) -> type | None:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    return list(stack.values())[-1][1]
+    cls = list(stack.values())[-1][1]
+    return resolve_class(cls) if isinstance(cls, str) else cls
 
 
-def module_stack(node: fx.Node) -> list[tuple[str, type]]:
+def module_stack(node: fx.Node) -> list[tuple[str, type | None]]:
     stack = node.meta.get("nn_module_stack") or {}
     out = []
     for raw, cls in stack.values():
         if isinstance(cls, str):
-            cls = None
+            cls = resolve_class(cls)
         out.append((normalise_path(raw), cls))
     return out
+
+
+def resolve_class(qualified: str) -> type | None:
+    """The class a ``torch.export`` module stack names (``"pkg.mod.Class"``) when its module is imported, else
+    ``None`` (nothing is imported here)."""
+    module_name, _, name = qualified.rpartition(".")
+    obj = sys.modules.get(module_name)
+    for part in name.split(".") if obj is not None else ():
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
 
 
 def normalise_path(raw: str) -> str:
