@@ -86,8 +86,25 @@ def _run_pass(gm: torch.fx.GraphModule, flat: list, names: list[str], config) ->
             record(BlockDecision(path="<exported program>", reason=why))
             return 0
     if moe_pass.rewritten:
+        _drop_dead_code(gm.graph)
+        gm.recompile()
         record_graphs(before, gm.print_readable(print_output=False))
     return moe_pass.rewritten
+
+
+def _drop_dead_code(graph: torch.fx.Graph) -> None:
+    """The replaced experts' nodes, which export's metadata checks (``aten._assert_tensor_metadata``, one per
+    ``.to()``: side effects to fx) would keep computing: a check of a tensor nothing else reads goes with it."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    while True:
+        removed = graph.eliminate_dead_code()
+        for node in list(graph.nodes):
+            tensor = node.args[0] if node.op == "call_function" and node.target is check and node.args else None
+            if isinstance(tensor, torch.fx.Node) and all(u.target is check for u in tensor.users):
+                graph.erase_node(node)
+                removed = True
+        if not removed:
+            return
 
 
 __all__ = ["rewrite_exported", "Report"]
