@@ -7,14 +7,14 @@ each run through ``.module()`` and compiled by AOTInductor, against the model ea
 The model is an HF ``*ForCausalLM`` (random weights) with the given MoE dimensions and the default
 (``grouped_mm``) experts implementation. Sizes: ``decode`` is 8 sequences of one token, ``prefill`` one sequence
 of 256. Each export has a symbolic sequence length, so one program serves both sizes. For each mode: the time to
-build it (export, rewrite, AOTInductor compile) and the median forward time (each rep calls every mode in turn),
-and the logits' largest difference from eager, relative to their largest magnitude. Prints a table; writes ``export.json`` under ``--out``.
+build it (export, rewrite, AOTInductor compile), the median forward time (``bench_cpu_layer.interleaved_ms``: each
+rep calls every mode in turn, on fresh inputs) and the logits' largest difference from eager, relative to their
+largest magnitude. Prints a table; writes ``export.json`` under ``--out``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
 
-from benchmarks.bench_e2e import timed  # noqa: E402
+from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
 
 SIZES = {"decode": (8, 1), "prefill": (1, 256)}
 MODES = ("eager", "export", "export+moe", "aoti", "aoti+moe")
@@ -69,6 +69,14 @@ def build(mode: str, model, example: dict, workdir: Path):
     return fn, time.perf_counter() - start, rewritten
 
 
+def _caller(fn, device: str):
+    def call(ids):
+        fn(input_ids=ids)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return call
+
+
 def logits_of(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
@@ -99,16 +107,15 @@ def main(argv=None) -> int:
         example = {"input_ids": torch.randint(0, 1024, (2, 16), device=args.device, generator=gen)}
         built = {mode: build(mode, model, example, Path(tmp)) for mode in args.modes}
         for size, ids in inputs.items():
-            times = {mode: [] for mode in args.modes}
+            fresh = [torch.randint(0, 1024, SIZES[size], device=args.device, generator=gen) for _ in range(8)]
             with torch.no_grad():
-                outs = {mode: logits_of(fn(input_ids=ids)).float() for mode, (fn, _, _) in built.items()}  # warm-up
-                for _ in range(args.reps):  # the modes in turn, each rep: drift on a noisy machine hits them alike
-                    for mode, (fn, _, _) in built.items():
-                        times[mode].append(timed(lambda: fn(input_ids=ids), 1, args.device))
+                outs = {mode: logits_of(fn(input_ids=ids)).float() for mode, (fn, _, _) in built.items()}
+                ms = interleaved_ms({mode: _caller(fn, args.device) for mode, (fn, _, _) in built.items()}, fresh,
+                                    args.reps)
             for mode, (fn, build_s, rewritten) in built.items():
                 diff = ((outs[mode] - eager[size]).abs().max() / eager[size].abs().max()).item()
-                rows.append(dict(mode=mode, size=size, ms=statistics.median(times[mode]), build_s=build_s,
-                                 rewritten=rewritten, rel_diff=diff))
+                rows.append(dict(mode=mode, size=size, ms=ms[mode], build_s=build_s, rewritten=rewritten,
+                                 rel_diff=diff))
     base = {r["size"]: r["ms"] for r in rows if r["mode"] == "eager"}
     print("%-11s %-8s %10s %8s %9s %9s %9s" % ("mode", "size", "ms", "x eager", "build s", "rewritten", "rel diff"))
     for r in rows:
