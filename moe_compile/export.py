@@ -26,7 +26,8 @@ def rewrite_exported(ep, *args, options: dict | None = None, **kwargs):
     """(new program, report): ``ep`` with its MoE blocks rewritten into the fused op, and what was rewritten and
     why not. ``args``/``kwargs``: the user inputs the probes start from; by default the program's own example
     inputs. Options are ``backend="moe_npu"``'s (``exclude``, ``experts_only``, ``lowering``, ...; the compile
-    ones do not apply). A pass failure keeps the program as it was and says why in the report."""
+    ones do not apply). A pass failure keeps the program as it was and says why in the report. The fused op is
+    forward-only: run the new program for inference."""
     from torch.export import ExportedProgram
 
     if not isinstance(ep, ExportedProgram):
