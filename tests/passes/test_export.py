@@ -155,3 +155,17 @@ def test_bad_arguments():
         moe_compile.rewrite_exported(ep, torch.zeros(1, 5, dtype=torch.long), torch.zeros(1))
     with pytest.raises(TypeError, match=r"options\['experts_only'\] must be a bool"):
         moe_compile.rewrite_exported(ep, options={"experts_only": "yes"})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_in_bf16():
+    """The rewritten program on the GPU (the CUDA lowering), at the bf16 tolerance against eager or against the
+    program as exported (a near-tie of two router logits can flip under one rounding: see test_cuda_models.py)."""
+    model, kwargs = build_model("qwen3_moe", dtype=torch.bfloat16)
+    model, kwargs = model.cuda(), {k: v.cuda() for k, v in kwargs.items()}
+    ep = _export(model, kwargs)
+    new, report = moe_compile.rewrite_exported(ep)
+    assert len(report.rewritten) == 2, str(report)
+    out = _run(new, kwargs).float()
+    to_eager, to_plain = max_rel_diff(out, _eager(model, kwargs).float()), max_rel_diff(out, _run(ep, kwargs).float())
+    assert min(to_eager, to_plain) <= TOL[torch.bfloat16], (to_eager, to_plain)
