@@ -89,7 +89,11 @@ def inspect(args) -> int:
     from moe_compile.testing.zoo import build_model
 
     model, inputs = build_model(args.model_type, experts_implementation=args.experts_implementation)
-    report = moe_compile.explain(model, **inputs, options={"inner_compiler": args.inner_compiler})
+    if args.export:  # the same pass on a torch.export program (moe_compile.rewrite_exported)
+        with torch.no_grad():
+            _, report = moe_compile.rewrite_exported(torch.export.export(model, (), inputs))
+    else:
+        report = moe_compile.explain(model, **inputs, options={"inner_compiler": args.inner_compiler})
     print(report)
     if args.dump_dir:
         report.write_graphs(args.dump_dir)
@@ -149,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("model_type")
     p.add_argument("--experts-implementation", default=None)
     p.add_argument("--inner-compiler", default="aot_eager", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--export", action="store_true",
+                   help="export the model with torch.export and rewrite the program (moe_compile.rewrite_exported)")
     p.add_argument("--dump-dir", default=None)
     p.set_defaults(fn=inspect)
     p = sub.add_parser("selfcheck", help="check the device kernels against their references on a real NPU or GPU")

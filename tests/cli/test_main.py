@@ -182,3 +182,11 @@ def test_tune_writes_a_file_the_backend_reads(monkeypatch, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     tt.tune_shapes([shape], [64], elsewhere, refine=True)
     assert seen == [(64, fast)] and (elsewhere / path.name).exists()
+
+
+def test_inspect_export_reports_the_exported_programs_rewrite(capsys, tmp_path):
+    assert main(["inspect", "mixtral", "--export", "--dump-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.1.mlp" in out and "2 MoE block(s) rewritten, 0 skipped" in out
+    after = [p for p in tmp_path.iterdir() if "after" in p.name]
+    assert after and "moe_compile.fused_moe" in after[0].read_text()
