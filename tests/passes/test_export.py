@@ -157,6 +157,20 @@ def test_bad_arguments():
         moe_compile.rewrite_exported(ep, options={"experts_only": "yes"})
 
 
+def test_lowering_npu_runs_the_torch_npu_ops_on_the_emulation():
+    """``options={"lowering": "npu"}``: the program's fused op runs as torch_npu ops (here the CPU emulation of
+    them, poisoned: an op it does not emulate, or undefined rows read, would show)."""
+    from moe_compile.testing import emulated_npu
+
+    model, kwargs = build_model("mixtral")
+    new, _ = moe_compile.rewrite_exported(_export(model, kwargs), options={"lowering": "npu"})
+    with emulated_npu(poison=True) as npu:
+        out = _run(new, kwargs)
+    assert dict(npu.calls) == {"npu_moe_gating_top_k_softmax": 2, "npu_moe_init_routing_v2": 2,
+                               "npu_grouped_matmul": 4, "npu_swiglu": 2}
+    assert max_rel_diff(out, _eager(model, kwargs)) <= TOL[torch.float32]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_in_bf16():
     """The rewritten program on the GPU (the CUDA lowering), at the bf16 tolerance against eager or against the
