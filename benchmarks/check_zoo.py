@@ -2,7 +2,7 @@
 
     python benchmarks/check_zoo.py [--dynamic] [--dtype bfloat16] [--inner inductor] [--tokens 5 11]
                                    [--against-inductor] [--families deepseek_v3 ...] [--device cuda]
-                                   [--mode reduce-overhead] [--tol 1e-4]
+                                   [--mode reduce-overhead] [--tol 1e-4] [--export]
 
 For each family the zoo can build (tiny config, random weights, the transformers default experts
 implementation): compile once, run each token count, and print the ``moe_compile`` counters and the
@@ -13,6 +13,9 @@ whose output is further than ``tol`` (relative to the output's magnitude) from e
 Inductor, is flagged, and the exit code is 1. The eighteenth session ran ``--dynamic`` (the shipped default: aot_eager, fp32): every
 family rewritten, within 1e-4 of eager. ``--device cuda`` runs the models and the fused op's CUDA
 (Triton) lowering on the GPU; ``--mode`` is passed to both compiles (``reduce-overhead``: CUDA graphs).
+``--export`` checks ``moe_compile.rewrite_exported`` instead: each model through ``torch.export`` (the sequence
+length symbolic where the model lets it be, else exported again per token count), the program rewritten and run at
+each token count; a model ``torch.export`` cannot export is listed apart, not flagged.
 """
 from __future__ import annotations
 
@@ -66,6 +69,45 @@ def check(name: str, args) -> tuple[dict, float, float | None, bool]:
     return counters, to_eager, to_plain, missing or far or bool(counters.get("pass_failed"))
 
 
+class ExportFailed(Exception):
+    """torch.export itself could not export the model (not the pass)."""
+
+
+def check_export(name: str, args) -> tuple[dict, float, None, bool]:
+    """``--export``: the model through ``torch.export`` (``Dim.AUTO`` on the sequence length: symbolic where the
+    model lets it be, else exported again per token count) and ``rewrite_exported``."""
+    model, _ = zoo.build_model(name, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device)
+    programs, counters, to_eager, failed = {}, {"rewritten": 0, "skipped": 0}, 0.0, False
+    with torch.no_grad():
+        for tokens in args.tokens:
+            kwargs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
+                      for k, v in zoo.build_inputs(name, num_tokens=tokens, seed=tokens).items()}
+            out = None
+            for program in programs.values():  # a program whose sequence length stayed symbolic serves this count
+                try:
+                    out = program.module()(**kwargs)
+                    break
+                except (AssertionError, RuntimeError, ValueError):
+                    continue
+            if out is None:
+                shapes = {k: ({1: torch.export.Dim.AUTO} if isinstance(v, torch.Tensor) and v.dim() >= 2 else None)
+                          for k, v in kwargs.items()}
+                try:
+                    ep = torch.export.export(model, (), kwargs, dynamic_shapes=shapes)
+                except Exception as e:  # noqa: BLE001 -- reported apart: nothing of ours ran
+                    raise ExportFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}") from e
+                programs[tokens], report = moe_compile.rewrite_exported(ep)
+                counters = {"rewritten": len(report.rewritten), "skipped": len(report.skipped),
+                            "exports": len(programs)}
+                failed = failed or any(path == "<exported program>" for path, _ in report.skipped)
+                out = programs[tokens].module()(**kwargs)
+            to_eager = max(to_eager, _rel(zoo.first_tensor(out), zoo.first_tensor(model(**kwargs))))
+    missing = expected_rewritten(name) and counters["rewritten"] < zoo.expected_moe_layers(name)
+    far = args.tol is not None and to_eager > args.tol
+    return counters, to_eager, None, missing or far or failed
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True)")
@@ -77,6 +119,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--mode", default=None, choices=["reduce-overhead", "max-autotune-no-cudagraphs"],
                         help="the inner compiler's mode (needs --inner inductor)")
+    parser.add_argument("--export", action="store_true",
+                        help="torch.export each model (symbolic sequence length) and run moe_compile.rewrite_exported")
     parser.add_argument("--tol", type=float, default=None,
                         help="flag a family further than this from eager (and from plain Inductor, if compared)")
     args = parser.parse_args(argv)
@@ -100,7 +144,10 @@ def main(argv=None) -> int:
             print(f"{name:<20} not available here: {why}")
             continue
         try:
-            counters, to_eager, to_plain, bad = check(name, args)
+            counters, to_eager, to_plain, bad = (check_export if args.export else check)(name, args)
+        except ExportFailed as e:
+            print(f"{name:<20} torch.export failed (before the pass): {e}", flush=True)
+            continue
         except Exception as e:  # noqa: BLE001 -- one family's crash is reported, the scan goes on
             print(f"{name:<20} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
             flagged.append(name)

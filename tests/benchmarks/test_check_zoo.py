@@ -16,6 +16,13 @@ def test_a_family_under_dynamic_true_is_rewritten(capsys):
     assert "'rewritten': 2" in out and "none flagged" in out
 
 
+def test_export_mode_rewrites_the_program_and_lists_unexportable_models_apart(capsys):
+    assert check_zoo.main(["--export", "--families", "qwen3_moe", "dbrx", "--tokens", "5", "7", "--tol", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_moe            {'rewritten': 2, 'skipped': 0, 'exports': 1}" in out and "none flagged" in out, out
+    assert "dbrx                 torch.export failed (before the pass): " in out, out
+
+
 @pytest.mark.expects_fallback
 def test_a_failing_pass_is_flagged(capsys, monkeypatch):
     from moe_compile.passes.moe_pass import MoEFusionPass
