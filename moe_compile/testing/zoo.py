@@ -12,6 +12,7 @@ transformers is imported inside the functions that need it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 
@@ -21,7 +22,7 @@ from moe_compile.testing.zoo_extra import EXTRA_FAMILIES
 from moe_compile.testing.zoo_families import CORE_FAMILIES
 from moe_compile.testing.zoo_more import MORE_FAMILIES
 from moe_compile.testing.zoo_recent import DEEPSEEK_LIKE_FAMILIES, MULTIMODAL_FAMILIES, RECENT_FAMILIES
-from moe_compile.testing.zoo_spec import ExpertsImpl, FamilySpec
+from moe_compile.testing.zoo_spec import ExpertsImpl, FamilySpec, capture_map
 
 logger = logging.getLogger("moe_compile")
 
@@ -38,9 +39,36 @@ _SELECTION_BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
 
 def get_family(name: str) -> FamilySpec:
+    """The family's spec, as the installed transformers builds it: a family whose experts class a newer
+    transformers decorated with ``@use_experts_implementation`` (step3p7 and longcat_flash in 5.25) takes the
+    decorated families' implementations and captures (``grouped_mm`` first, one graph)."""
     if name not in MOE_FAMILIES:
         raise ValueError(f"model_type must be one of {sorted(MOE_FAMILIES)}, but got {name!r}.")
-    return MOE_FAMILIES[name]
+    return _as_installed(MOE_FAMILIES[name])
+
+
+_INSTALLED: dict[str, FamilySpec] = {}
+
+
+def _as_installed(spec: FamilySpec) -> FamilySpec:
+    if spec.name not in _INSTALLED:
+        switched = not spec.decorated and _can_set_experts(spec) is True
+        _INSTALLED[spec.name] = dataclasses.replace(
+            spec, experts_impls=(ExpertsImpl.GROUPED_MM, ExpertsImpl.BATCHED_MM, ExpertsImpl.EAGER),
+            capture=capture_map(decorated=True)) if switched else spec
+    return _INSTALLED[spec.name]
+
+
+def _can_set_experts(spec: FamilySpec) -> bool | None:
+    """What the installed transformers' model class says (``None``: it has no such method, or no such class)."""
+    try:
+        import transformers
+
+        model_cls = getattr(transformers, spec.model_class, None)
+    except ImportError:
+        return None
+    can_set = getattr(model_cls, "_can_set_experts_implementation", None)
+    return bool(can_set()) if callable(can_set) else None
 
 
 def is_available(model_type: str, experts_implementation=None) -> tuple[bool, str]:
@@ -69,11 +97,9 @@ def is_available(model_type: str, experts_implementation=None) -> tuple[bool, st
 def experts_switchable(model_type: str) -> bool:
     """Whether the installed transformers lets the family's model switch its experts implementation
     (its modeling code uses ``@use_experts_implementation``)."""
-    import transformers
-
-    model_cls = getattr(transformers, get_family(model_type).model_class)
-    can_set = getattr(model_cls, "_can_set_experts_implementation", None)
-    return bool(can_set()) if callable(can_set) else get_family(model_type).decorated
+    spec = get_family(model_type)
+    can_set = _can_set_experts(spec)
+    return spec.decorated if can_set is None else can_set
 
 
 def _parse_impl(spec: FamilySpec, experts_implementation) -> ExpertsImpl | None:
@@ -244,7 +270,7 @@ def families(*, expressible: bool | None = None, impl=None, core_only: bool = Fa
     names = CORE_FAMILY_NAMES if core_only else tuple(MOE_FAMILIES)
     out = []
     for name in names:
-        spec = MOE_FAMILIES[name]
+        spec = get_family(name)
         if expressible is not None and spec.expressible != expressible:
             continue
         if impl is not None and ExpertsImpl(impl) not in spec.experts_impls:
@@ -256,4 +282,4 @@ def families(*, expressible: bool | None = None, impl=None, core_only: bool = Fa
 def family_impl_pairs(*, core_only: bool = False) -> list[tuple[str, str]]:
     """Every (family, experts implementation) the zoo can build."""
     names = CORE_FAMILY_NAMES if core_only else tuple(MOE_FAMILIES)
-    return [(name, impl.value) for name in names for impl in MOE_FAMILIES[name].experts_impls]
+    return [(name, impl.value) for name in names for impl in get_family(name).experts_impls]

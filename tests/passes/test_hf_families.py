@@ -106,6 +106,8 @@ def test_reason_names_the_activations_after_transformers_grouped_mm():
 def test_a_block_compiled_in_its_own_frame_is_named_by_its_path(name, block):
     """After a graph break Dynamo compiles the block's own frame, where the only module on the top-k's
     stack is the router: the row was named after the router (``...ffn.router``, ``...mlp.gate``)."""
+    if zoo.get_family(name).decorated:  # step3p7 from transformers 5.25: one graph, no frame of its own
+        pytest.skip("the installed transformers decorates %s's experts with @use_experts_implementation" % name)
     _require(name, "native")
     model, kwargs = zoo.build_model(name)
     report, _ = explain_and_compare(model, kwargs)
