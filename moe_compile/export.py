@@ -17,7 +17,7 @@ import logging
 import torch
 
 from moe_compile.options import parse_options
-from moe_compile.report import BlockDecision, Report, collecting, record, record_graphs, take_back, tracking
+from moe_compile.report import BlockDecision, collecting, record, record_graphs, take_back, tracking
 
 log = logging.getLogger("moe_compile")
 
@@ -78,11 +78,11 @@ def _run_pass(gm: torch.fx.GraphModule, flat: list, names: list[str], config) ->
     with tracking() as decisions:
         try:
             moe_pass(gm.graph)
-            gm.recompile()
         except Exception as exc:  # noqa: BLE001 - the program as it was, and why
             log.debug("moe_compile: the pass failed on the exported program", exc_info=True)
             why = "the pass failed on the exported program (%s: %s); it is kept as it was" % (
                 type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+            log.warning("moe_compile: %s", why)
             take_back(decisions, why)
             record(BlockDecision(path="<exported program>", reason=why))
             return 0
@@ -108,4 +108,4 @@ def _drop_dead_code(graph: torch.fx.Graph) -> None:
             return
 
 
-__all__ = ["rewrite_exported", "Report"]
+__all__ = ["rewrite_exported"]

@@ -23,6 +23,18 @@ def explain_and_compare(model, kwargs, options=None):
     return report, max_rel_diff(first_tensor(report.output), ref)
 
 
+def rewrites_under_dynamic(model, inputs: list[dict]) -> int:
+    """Compile ``model`` once with ``dynamic=True`` (aot_eager), check it against eager on each kwargs in
+    ``inputs`` (fp32 tolerance), and return how many blocks the pass rewrote."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="moe_npu", dynamic=True, options={"inner_compiler": "aot_eager"})
+    with torch.no_grad():
+        for i, kwargs in enumerate(inputs):
+            assert max_rel_diff(compiled(**kwargs), model(**kwargs)) <= TOL[torch.float32], i
+    return torch._dynamo.utils.counters["moe_compile"]["rewritten"]
+
+
 class GraphCounter:
     """A backend that counts the graphs Dynamo hands it and runs them with aot_eager."""
 

@@ -131,7 +131,8 @@ def test_nothing_to_rewrite_returns_the_program_as_it_is():
     assert new is ep and not report.blocks
 
 
-def test_a_pass_failure_keeps_the_program_and_says_why(monkeypatch):
+@pytest.mark.expects_fallback
+def test_a_pass_failure_keeps_the_program_and_says_why(monkeypatch, moe_log):
     from moe_compile.passes.moe_pass import MoEFusionPass
 
     def broken(self, graph):
@@ -142,8 +143,9 @@ def test_a_pass_failure_keeps_the_program_and_says_why(monkeypatch):
     ep = _export(model, kwargs)
     new, report = moe_compile.rewrite_exported(ep)
     assert new is ep and not report.rewritten
-    assert report.skipped == [("<exported program>", "the pass failed on the exported program (RuntimeError: boom); "
-                               "it is kept as it was")]
+    why = "the pass failed on the exported program (RuntimeError: boom); it is kept as it was"
+    assert report.skipped == [("<exported program>", why)]
+    assert why in moe_log.text  # a warning too: a caller need not read the report
 
 
 def test_bad_arguments():
