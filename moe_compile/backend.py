@@ -78,17 +78,22 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         from moe_compile.lowering.torchair import real_torch_npu
 
         real_torch_npu()  # its error as it is: TorchAir cannot run here, with or without the pass
-    if _needs_autograd(example_inputs):
-        from moe_compile.report import BlockDecision, record
+    training = _needs_autograd(example_inputs)
+    if training:
+        reason = _training_refusal(gm, example_inputs, inner, config)
+        if reason:
+            from moe_compile.report import BlockDecision, record
 
-        record(BlockDecision(path="<graph>", reason="autograd is recording (inputs require grad); the fused "
-                             "op is forward-only, so run inference under torch.no_grad()/inference_mode()"))
-        return _compile_plain(gm, example_inputs, inner, config)
+            record(BlockDecision(path="<graph>", reason=reason))
+            return _compile_plain(gm, example_inputs, inner, config)
     from moe_compile.report import forget, tracking
 
     with tracking() as decisions:
         try:
-            compiled = _compile_with_pass(gm, example_inputs, inner, config, decisions)
+            if training:
+                compiled = _compile_training(gm, example_inputs, inner, config)
+            else:
+                compiled = _compile_with_pass(gm, example_inputs, inner, config, decisions)
         except torch._dynamo.exc.RestartAnalysis:
             # Dynamo's own control flow (e.g. under dynamic=True, AOTAutograd asks it to trace the
             # frame again with some scalars specialised): not a failure; the retrace calls us again
@@ -116,6 +121,36 @@ def moe_npu_backend(gm: torch.fx.GraphModule, example_inputs, options=None, mode
         raise
     _blame_the_pass(decisions, failure)
     return compiled
+
+
+def _training_refusal(gm, example_inputs, inner: InnerCompiler, config: BackendConfig) -> str | None:
+    if not config.training:
+        return ("autograd is recording (inputs require grad) and options['training'] is False: compiled without "
+                "the pass")
+    from moe_compile import training
+
+    return training.refusal(gm, example_inputs, config, torchair=inner is InnerCompiler.TORCHAIR)
+
+
+def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):
+    """A graph that records autograd: traced to aten without autograd, rewritten, and handed to the inner
+    compiler, which differentiates it through the fused ops' backward (``training.py``)."""
+    from moe_compile import training
+    from moe_compile.passes.moe_pass import MoEFusionPass
+
+    aten_gm = training.trace_without_autograd(gm, example_inputs)
+    moe_pass = MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config), training=True)
+    before = aten_gm.print_readable(print_output=False)
+    with torch.no_grad():  # the pass reads the parameters' values; it records nothing
+        moe_pass(aten_gm.graph)
+    if not moe_pass.rewritten:  # the skips are reported; the graph Dynamo gave is compiled as it was
+        return _compile_plain(gm, example_inputs, inner, config)
+    aten_gm.recompile()
+    _graphs_done(config, before, aten_gm.print_readable(print_output=False))
+    training.differentiable(aten_gm)
+    if inner is InnerCompiler.EAGER:
+        return aten_gm.forward
+    return _compile_plain(aten_gm, example_inputs, inner, config)
 
 
 def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompiler, device_type: str) -> None:

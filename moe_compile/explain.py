@@ -77,12 +77,16 @@ def _router_module(owner: str, modules: dict) -> str:
     return owner
 
 
-def explain(model: torch.nn.Module, *args, options: dict | None = None, **kwargs) -> Report:
+def explain(model: torch.nn.Module, *args, options: dict | None = None, training: bool = False, **kwargs) -> Report:
     """Compile ``model`` with ``backend="moe_npu"`` (fresh Dynamo caches), run it on the inputs,
-    and return the report: ``.rewritten``, ``.skipped``, ``str(report)``, ``.write_graphs(dir)``."""
+    and return the report: ``.rewritten``, ``.skipped``, ``str(report)``, ``.write_graphs(dir)``.
+    The forward runs under ``no_grad`` (an inference graph); ``training=True`` runs it recording autograd
+    (the training graph, ``moe_compile/training.py``), and ``report.output`` can then be backpropagated."""
+    if not isinstance(training, bool):
+        raise TypeError("explain: training must be a bool, but got %r" % (training,))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="moe_npu", options=options)
-    with collecting() as report, torch.no_grad():
+    with collecting() as report, torch.set_grad_enabled(training):
         report.output = compiled(*args, **kwargs)
     _resolve_paths(model, report)
     seen = {b.path for b in report.blocks if not b.not_moe}

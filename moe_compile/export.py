@@ -26,8 +26,9 @@ def rewrite_exported(ep, *args, options: dict | None = None, **kwargs):
     """(new program, report): ``ep`` with its MoE blocks rewritten into the fused op, and what was rewritten and
     why not. ``args``/``kwargs``: the user inputs the probes start from; by default the program's own example
     inputs. Options are ``backend="moe_npu"``'s (``exclude``, ``experts_only``, ``lowering``, ...; the compile
-    ones do not apply). A pass failure keeps the program as it was and says why in the report. The fused op is
-    forward-only: run the new program for inference."""
+    ones do not apply). A pass failure keeps the program as it was and says why in the report. The new program is
+    for inference: stacked expert weights are copies made here, which no gradient reaches (training goes through
+    ``torch.compile``: ``moe_compile/training.py``)."""
     from torch.export import ExportedProgram
 
     if not isinstance(ep, ExportedProgram):
@@ -77,7 +78,8 @@ def _run_pass(gm: torch.fx.GraphModule, flat: list, names: list[str], config) ->
     moe_pass = MoEFusionPass(config, flat, names, _op_kwargs(config))
     with tracking() as decisions:
         try:
-            moe_pass(gm.graph)
+            with torch.no_grad():  # the pass reads the parameters' values; it records nothing
+                moe_pass(gm.graph)
         except Exception as exc:  # noqa: BLE001 - the program as it was, and why
             log.debug("moe_compile: the pass failed on the exported program", exc_info=True)
             why = "the pass failed on the exported program (%s: %s); it is kept as it was" % (

@@ -30,6 +30,7 @@ class BackendConfig:
     experts_only: bool = True  # routers the op cannot express stay; their experts become fused_experts
     cpu_decode: bool = True  # CPU + Inductor, fixed few tokens: the experts as gather-GEMVs in the graph
     pack_args: bool = True  # compiled graphs call the fused ops with their scalars packed (ops/packed.py)
+    training: bool = True  # graphs that record autograd are rewritten too (training.py, ops/autograd.py)
     torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
@@ -58,6 +59,8 @@ VALID_OPTIONS = {
     "pack_args": "a bool (default True): the compiled graph calls the fused ops with their scalar arguments "
                  "packed into one string (moe_compile::fused_moe_packed: 8 arguments for the dispatcher to convert "
                  "per call instead of 28); False keeps the plain call",
+    "training": "a bool (default True): graphs that record autograd (training) are rewritten too, the fused "
+                "ops' backward recomputing the block in plain torch; False compiles them without the pass",
     "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
@@ -118,7 +121,7 @@ def parse_options(options: dict | None) -> BackendConfig:
         kwargs["torchair_mode"] = parse_enum(TorchairMode, options["torchair_mode"], "options['torchair_mode']")
     if "exclude" in options:
         kwargs["exclude_paths"], kwargs["exclude_classes"] = _exclude(options["exclude"])
-    for name in ("verify", "experts_only", "cpu_decode", "pack_args"):
+    for name in ("verify", "experts_only", "cpu_decode", "pack_args", "training"):
         if name in options:
             if not isinstance(options[name], bool):
                 raise TypeError("options[%r] must be a bool, but got %r" % (name, options[name]))

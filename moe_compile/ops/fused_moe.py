@@ -26,6 +26,7 @@ import logging
 import torch
 
 from moe_compile.ops import custom_op  # noqa: F401  (registers torch.ops.moe_compile.*)
+from moe_compile.ops import autograd  # noqa: F401  (the fused ops' backward: training graphs)
 from moe_compile.ops import packed  # noqa: F401  (registers the packed ops compiled graphs call)
 from moe_compile.ops.config import DispatcherType, Lowering, parse_enum
 from moe_compile.ops.validation import validate_routing_output, validate_scalars, validate_tensors

@@ -17,7 +17,8 @@ graphed Qwen3-30B-A3B one-token ``fused_moe`` call costs 102-130 µs this way ag
   no tensor subclass, dispatch mode or functionalization in the way, and no input that requires grad with
   grad mode on. Anything else takes ``custom_op``'s own path (``make_autograd_impl``): the re-dispatch
   below autograd, so fake tensors, ``make_fx``, functionalization and modes see the op as before, and a
-  call that records autograd still gets a graph node whose backward raises (the ops are forward-only).
+  call that records autograd gets a graph node whose backward is the one ``register_autograd`` gave
+  (``ops/autograd.py``: the fused ops), or raises, naming the op, where none was given.
 
 ``register_fake`` and ``_init_fn`` work as on a ``CustomOpDef``. ``MOE_COMPILE_DIRECT_DISPATCH=0``
 (or ``DIRECT = False``) always takes the re-dispatch below autograd, for side-by-side measurements.
@@ -36,11 +37,13 @@ _BELOW = torch._C._after_ADInplaceOrView_keyset
 _BACKENDS = frozenset({torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA, torch._C.DispatchKey.PrivateUse1})
 
 
-class _NoBackward:
-    """``make_autograd_impl``'s view of an op without a backward: backward raises, naming the op."""
+class _Backward:
+    """``make_autograd_impl``'s view of an op's backward: none (backward raises, naming the op) until
+    ``Op.register_autograd`` gives one."""
 
-    _backward_fn = None
-    _setup_context_fn = None
+    def __init__(self):
+        self._backward_fn = None
+        self._setup_context_fn = None
 
 
 class Op:
@@ -51,6 +54,7 @@ class Op:
         if namespace != _LIB.ns or not name.isidentifier():
             raise ValueError(f"op: qualname={qualname!r}; expected '{_LIB.ns}::<name>'.")
         self._qualname, self._name, self._init_fn = qualname, name, fn
+        self._backward = _Backward()
         schema = torch.library.infer_schema(fn, mutates_args=())
         _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
         self._opoverload = getattr(getattr(torch.ops, namespace), name).default
@@ -60,7 +64,7 @@ class Op:
         self.__name__ = fn.__name__
 
     def _autograd_kernel(self) -> Callable:
-        fn, slow = self._init_fn, make_autograd_impl(self._opoverload, _NoBackward())
+        fn, slow = self._init_fn, make_autograd_impl(self._opoverload, self._backward)
         any_requires_grad, grad_enabled = torch._C._any_requires_grad, torch.is_grad_enabled
 
         def kernel(keyset, *args, **kwargs):
@@ -74,6 +78,11 @@ class Op:
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self._qualname, fake, lib=_LIB)
         return fake
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """As ``torch.library.register_autograd``: ``setup_context(ctx, inputs, output)`` saves what
+        ``backward(ctx, grad)`` needs; calls that record autograd then get this backward."""
+        self._backward._backward_fn, self._backward._setup_context_fn = backward, setup_context
 
     def __call__(self, *args, **kwargs):
         return self._opoverload(*args, **kwargs)

@@ -20,7 +20,7 @@ from moe_compile.passes.graph import (
 from moe_compile.passes import match as match_mod
 from moe_compile.passes.match import GraphContext, match_block
 from moe_compile.passes import experts_only
-from moe_compile.passes.rewrite import rewrite_block, rewrite_experts
+from moe_compile.passes.rewrite import rewrite_block, rewrite_experts, training_weights_reason
 from moe_compile.report import BlockDecision, excluded_tensor_ids, path_excluded, record
 
 log = logging.getLogger("moe_compile")
@@ -36,8 +36,9 @@ class MoEFusionPass(_Base):
     (the backend's Inductor hook adds the options and the graph: ``compile_cache.pass_uuid``)."""
 
     def __init__(self, config: BackendConfig, real_inputs: list, input_names: list[str],
-                 op_kwargs: dict):
+                 op_kwargs: dict, training: bool = False):
         self.config = config
+        self.training = training  # the graph records autograd (training.py): weights made in the graph
         self.real_inputs = real_inputs
         self.input_names = input_names
         self.op_kwargs = op_kwargs
@@ -114,9 +115,14 @@ class MoEFusionPass(_Base):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=match,
                                  router_weight_id=weight_id))
             return
+        reason = self.training and training_weights_reason(match)
+        if reason:
+            record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=reason,
+                                 router_weight_id=weight_id))
+            return
         with unset_fake_temporarily():
-            fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(),
-                                  router_on_cuda=self._lowers_to_cuda(ctx, anchor))
+            fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(), training=self.training,
+                                  router_on_cuda=not self.training and self._lowers_to_cuda(ctx, anchor))
         self.rewritten += 1
         router = match.router_kind()
         if fused.args[1].target is torch.ops.moe_compile.router_logits.default:
@@ -193,8 +199,11 @@ class MoEFusionPass(_Base):
             return "the experts-only matcher raised %s: %s" % (type(exc).__name__, exc)
         if isinstance(match, str):
             return match
+        reason = self.training and training_weights_reason(match)
+        if reason:
+            return reason
         with unset_fake_temporarily():
-            rewrite_experts(gm, match, ctx.values, self.op_kwargs, self._groups())
+            rewrite_experts(gm, match, ctx.values, self.op_kwargs, self._groups(), training=self.training)
         self.rewritten += 1
         record(BlockDecision(
             path=path, router=match.router_kind(), experts=match.experts.form, num_experts=routed.num_experts,

@@ -152,6 +152,40 @@ def emit_weights(gm: fx.GraphModule, sources: tuple, values: dict, template: fx.
             for s in sources]
 
 
+def training_weights_reason(match) -> str | None:
+    """Why a training graph cannot take ``match``'s weights (None: it can): every weight must be made from
+    graph inputs in the graph, so its gradient reaches them (a compile-time copy would take none)."""
+    choice = match.experts
+    for name, source in (("w13", choice.w13), ("w2", choice.w2), ("w13 bias", choice.b13), ("w2 bias", choice.b2)):
+        if source is not None and source.copies and _graph_input_leaves([source]) is None:
+            return ("autograd is recording and the experts' %s is not made from graph inputs (a copy taken at "
+                    "compile time would get no gradient)" % name)
+    return None
+
+
+def _in_graph(graph: fx.Graph, source: WeightSource, template: fx.Node) -> fx.Node:
+    """``source`` made in the graph from its graph inputs (as ``WeightSource.real`` makes it), so autograd
+    carries the gradient back to them: a training graph's stacked weights."""
+    if source.kind == "scale":  # expert e's slice times scale[e], rounded once
+        inner = _in_graph(graph, source.nodes[0], template)
+        dims = val(inner).dim()
+        scale = _call(graph, aten.reshape.default, (source.nodes[1], [-1] + [1] * (dims - 1)), template)
+        up = [_call(graph, torch.ops.prims.convert_element_type.default, (n, torch.float32), template)
+              for n in (inner, scale)]
+        product = _call(graph, aten.mul.Tensor, tuple(up), template)
+        return _call(graph, torch.ops.prims.convert_element_type.default, (product, val(inner).dtype), template)
+    if source.kind == "cat":
+        return _call(graph, aten.cat.default, ([_in_graph(graph, part, template) for part in source.nodes], -1),
+                     template)
+    node = source.nodes[0]
+    if source.kind == "stack":
+        node = _call(graph, aten.stack.default, (list(source.nodes), 0), template)
+    if not source.transpose:
+        return node
+    dims = val(node).dim()
+    return _call(graph, aten.permute.default, (node, list(range(dims - 2)) + [dims - 1, dims - 2]), template)
+
+
 def _sharded_weights(gm, match, values: dict, groups: dict, template: fx.Node):
     """This rank's share of the expert weights (EP: its experts; TP: its intermediate slice); the
     router and the selection bias stay global. Made from the model's weights by one
@@ -253,15 +287,16 @@ def _untranspose(node: fx.Node) -> fx.Node | None:
 
 
 def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs: dict,
-                  groups: dict | None = None, router_on_cuda: bool = False) -> fx.Node:
+                  groups: dict | None = None, router_on_cuda: bool = False, training: bool = False) -> fx.Node:
     """``router_on_cuda``: the op will run the CUDA lowering, so the router GEMM (fp32 over an
-    upcast bf16 input, or bf16) becomes ``moe_compile::router_logits`` (see ``_router_op``)."""
+    upcast bf16 input, or bf16) becomes ``moe_compile::router_logits`` (see ``_router_op``).
+    ``training``: the graph records autograd; the weights are made in the graph (``_in_graph``)."""
     graph = gm.graph
     out = match.output
     anchor = match.anchor
     routing, experts = match.routing, match.experts.config
     with graph.inserting_before(out):
-        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, anchor.x)
+        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, anchor.x, training)
         bias = None
         if routing.has_correction_bias:
             bias = anchor.bias
@@ -298,12 +333,16 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     return fused
 
 
-def _expert_weights(gm: fx.GraphModule, match, values: dict, groups: dict | None, template: fx.Node) -> list:
+def _expert_weights(gm: fx.GraphModule, match, values: dict, groups: dict | None, template: fx.Node,
+                    training: bool = False) -> list:
     """The op's ``(w13, w2, w13_bias, w2_bias)`` nodes for a block or experts-only match: this rank's shard under
     ``groups``, else the whole stacked weights; cast per call where the block computed under autocast."""
     choice = match.experts
     if groups:
         weights = _sharded_weights(gm, match, values, groups, template)
+    elif training:  # made in the graph, so their gradients reach the model's weights
+        weights = [None if s is None else _in_graph(gm.graph, s, template)
+                   for s in (choice.w13, choice.w2, choice.b13, choice.b2)]
     else:
         weights = emit_weights(gm, (choice.w13, choice.w2, choice.b13, choice.b2), values, template)
     return _autocast(gm.graph, weights, choice.cast, template)
@@ -328,7 +367,8 @@ def _in_dtype(graph: fx.Graph, x: fx.Node, dtype: torch.dtype, template: fx.Node
     return _call(graph, torch.ops.prims.convert_element_type.default, (x, dtype), template)
 
 
-def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, groups: dict | None = None) -> fx.Node:
+def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, groups: dict | None = None,
+                    training: bool = False) -> fx.Node:
     """An experts-only match (``experts_only.RoutedMatch``): the routed output becomes one
     ``moe_compile::fused_experts`` node on the router's own ids and weights; the router stays (global: every
     rank routes every token, as with ``rewrite_block``). ``groups``: this rank's share of the experts (EP) or of
@@ -336,7 +376,7 @@ def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, gr
     graph = gm.graph
     out, anchor, experts = match.output, match.anchor, match.experts.config
     with graph.inserting_before(out):
-        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, match.x_view)
+        w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, match.x_view, training)
         act_dtype = val(w13).dtype
         x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)
         k = anchor.top_k

@@ -1,0 +1,94 @@
+"""Training graphs: the pass on a graph that records autograd.
+
+AOTAutograd hands Inductor's post-grad passes a forward and a backward graph already partitioned, where
+a block's forward has been differentiated op by op: too late to put one op in its place. So a graph that
+records autograd is first traced here to a functional aten graph without autograd (``make_fx`` of the
+functionalised Dynamo graph, under ``no_grad``), the pass
+rewrites that, and the rewritten aten graph goes to the inner compiler as Dynamo's graph would have:
+AOTAutograd differentiates it again, now through the fused ops' registered backward
+(``ops/autograd.py``). Expert weights that the inference rewrite would stack into a cached copy are
+stacked in the graph instead (``passes/rewrite.py``), so their gradients reach the model's parameters.
+
+Left alone, with the reason: graphs with symbolic shapes (the aten graph is traced at the example's
+shapes), graphs that switch grad mode or detach inside (tracing without autograd would lose that), and
+expert- or tensor-parallel blocks; on NPU (TorchAir) training graphs are compiled without the pass.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+_GRAD_MODE_TARGETS = ("_set_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "inference_mode",
+                      "detach", "detach_")
+
+
+def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str | None:
+    """Why this training graph is compiled without the pass, or None."""
+    if torchair:
+        return "autograd is recording: on NPU (TorchAir) training graphs are compiled without the pass"
+    if config.ep_group is not None or config.tp_group is not None:
+        return "autograd is recording: the fused op's backward runs on one device (no ep_group/tp_group)"
+    for t in example_inputs:
+        if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return ("autograd is recording with symbolic shapes (%s): training graphs are rewritten at static "
+                    "shapes only (torch.compile(..., dynamic=False))" % t)
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", node.target) if node.op != "placeholder" else None
+        if node.op in ("call_function", "call_method") and name in _GRAD_MODE_TARGETS:
+            return ("autograd is recording and the graph switches grad mode or detaches (%s): tracing it without "
+                    "autograd would lose that, so it is compiled without the pass" % node.format_node()[:100])
+    return None
+
+
+def trace_without_autograd(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """Dynamo's graph as a functional aten graph traced under ``no_grad`` at the example inputs' shapes,
+    taking the same flat inputs and giving the same outputs. No decompositions: every op it holds is one
+    that reached autograd, so autograd can go through it again (Inductor decomposes when it compiles)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torch.fx import traceback as fx_traceback
+
+    # run node by node, so each new node keeps its source node's metadata (the module path the report names)
+    functional = torch.func.functionalize(lambda *args: fx.Interpreter(gm).run(*args), remove="mutations")
+    # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
+    # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
+    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.no_grad():
+        traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced
+
+
+def differentiable(gm: fx.GraphModule) -> int:
+    """Give the rewritten graph's ops that autograd cannot go through a spelling it can; how many were:
+
+    - ``prims.convert_element_type(x, dtype)`` (the pass's casts) -> ``aten._to_copy(x, dtype=dtype)``;
+    - ``aten.copy(dst, src)`` (functionalization's form of an in-place copy) -> ``src`` cast to ``dst``'s
+      dtype, expanded to its shape and cloned: the values ``dst`` is overwritten with, so ``dst`` gets no
+      gradient, as through the in-place copy."""
+    aten, count = torch.ops.aten, 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.prims.convert_element_type.default:
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(aten._to_copy.default, (node.args[0],), {"dtype": node.args[1]})
+        elif node.target is aten.copy.default:
+            dst, src = node.args[0], node.args[1]
+            dst_val = dst.meta["val"]
+            with gm.graph.inserting_before(node):
+                cast = gm.graph.call_function(aten._to_copy.default, (src,), {"dtype": dst_val.dtype})
+                wide = gm.graph.call_function(aten.expand.default, (cast, list(dst_val.shape)))
+                new = gm.graph.call_function(aten.clone.default, (wide,))
+        else:
+            continue
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+__all__ = ["differentiable", "refusal", "trace_without_autograd"]
