@@ -2,7 +2,7 @@
 
     python benchmarks/check_zoo.py [--dynamic] [--dtype bfloat16] [--inner inductor] [--tokens 5 11]
                                    [--against-inductor] [--families deepseek_v3 ...] [--device cuda]
-                                   [--mode reduce-overhead] [--tol 1e-4] [--export]
+                                   [--mode reduce-overhead] [--tol 1e-4] [--export] [--training]
 
 For each family the zoo can build (tiny config, random weights, the transformers default experts
 implementation): compile once, run each token count, and print the ``moe_compile`` counters and the
@@ -15,7 +15,11 @@ family rewritten, within 1e-4 of eager. ``--device cuda`` runs the models and th
 (Triton) lowering on the GPU; ``--mode`` is passed to both compiles (``reduce-overhead``: CUDA graphs).
 ``--export`` checks ``moe_compile.rewrite_exported`` instead: each model through ``torch.export`` (the sequence
 length symbolic where the model lets it be, else exported again per token count), the program rewritten and run at
-each token count; a model ``torch.export`` cannot export is listed apart, not flagged.
+each token count; a model ``torch.export`` cannot export is listed apart, not flagged. ``--training`` runs a forward
+and backward recording autograd (the model in eval mode, so dropout and router jitter stay off) and also compares
+every parameter's gradient with eager's (``grads``: the worst, relative to each gradient's largest entry, or to
+1e-3 of the largest gradient entry of all where that is more); a family whose training graphs the backend leaves
+alone with a reason (printed) is not flagged for it.
 """
 from __future__ import annotations
 
@@ -108,6 +112,48 @@ def check_export(name: str, args) -> tuple[dict, float, None, bool]:
     return counters, to_eager, None, missing or far or failed
 
 
+def _train_step(model, forward, kwargs) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    out = zoo.first_tensor(forward(**kwargs))
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.device)
+    (out.float() * proj).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_training(name: str, args) -> tuple[dict, float, float, bool]:
+    """``--training``: a forward and backward that record autograd (``dynamic=False``: training graphs are
+    rewritten at static shapes), loss ``sum(out * R)``; (counters, worst output difference to eager, worst
+    parameter-gradient difference to eager relative to that gradient's largest entry, flagged)."""
+    model, _ = zoo.build_model(name, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    options = {"inner_compiler": args.inner, **({"mode": args.mode} if args.mode else {})}
+    ours = torch.compile(model, backend="moe_npu", dynamic=False, options=options)
+    from moe_compile.report import collecting
+
+    to_eager, grads = 0.0, 0.0
+    for tokens in args.tokens:
+        kwargs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
+                  for k, v in zoo.build_inputs(name, num_tokens=tokens, seed=tokens).items()}
+        with collecting() as report:
+            out, got = _train_step(model, ours, kwargs)
+        ref, want = _train_step(model, model, kwargs)
+        to_eager = max(to_eager, _rel(out, ref))
+        # a gradient that is zero in exact arithmetic (a key bias under softmax) is compared at a floor
+        floor = 1e-3 * max(float(w.abs().max()) for w in want.values())
+        grads = max([grads] + [float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor) if n in got
+                               else float("inf") for n, w in want.items()])
+    counters = dict(torch._dynamo.utils.counters["moe_compile"])
+    refused = [why for path, why in report.skipped if path == "<graph>"]
+    if refused:  # a training graph the backend leaves alone, with its reason: not a miss
+        print(f"{name:<20} left alone: {refused[0][:150]}")
+    missing = not refused and expected_rewritten(name) and counters.get("rewritten", 0) < zoo.expected_moe_layers(
+        name) * len(args.tokens)
+    far = args.tol is not None and max(to_eager, grads) > args.tol
+    return counters, to_eager, grads, missing or far or bool(counters.get("pass_failed"))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dynamic", action="store_true", help="torch.compile(..., dynamic=True)")
@@ -121,6 +167,8 @@ def main(argv=None) -> int:
                         help="the inner compiler's mode (needs --inner inductor)")
     parser.add_argument("--export", action="store_true",
                         help="torch.export each model (symbolic sequence length) and run moe_compile.rewrite_exported")
+    parser.add_argument("--training", action="store_true",
+                        help="a forward and backward recording autograd; also compares every parameter's gradient")
     parser.add_argument("--tol", type=float, default=None,
                         help="flag a family further than this from eager (and from plain Inductor, if compared)")
     args = parser.parse_args(argv)
@@ -144,7 +192,8 @@ def main(argv=None) -> int:
             print(f"{name:<20} not available here: {why}")
             continue
         try:
-            counters, to_eager, to_plain, bad = (check_export if args.export else check)(name, args)
+            checker = check_export if args.export else check_training if args.training else check
+            counters, to_eager, to_plain, bad = checker(name, args)
         except ExportFailed as e:
             print(f"{name:<20} torch.export failed (before the pass): {e}", flush=True)
             continue
@@ -152,7 +201,7 @@ def main(argv=None) -> int:
             print(f"{name:<20} FAILED: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
             flagged.append(name)
             continue
-        plain = "" if to_plain is None else f"  vs plain inductor {to_plain:.1e}"
+        plain = "" if to_plain is None else f"  {'grads' if args.training else 'vs plain inductor'} {to_plain:.1e}"
         print(f"{name:<20} {counters}  vs eager {to_eager:.1e}{plain}{'  <-- flagged' if bad else ''}",
               flush=True)
         if bad:

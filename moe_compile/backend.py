@@ -133,12 +133,12 @@ def _training_refusal(gm, example_inputs, inner: InnerCompiler, config: BackendC
 
 
 def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendConfig):
-    """A graph that records autograd: traced to aten without autograd, rewritten, and handed to the inner
+    """A graph that records autograd: its forward traced to aten, rewritten, and handed to the inner
     compiler, which differentiates it through the fused ops' backward (``training.py``)."""
     from moe_compile import training
     from moe_compile.passes.moe_pass import MoEFusionPass
 
-    aten_gm = training.trace_without_autograd(gm, example_inputs)
+    aten_gm = training.trace_to_aten(gm, example_inputs)
     moe_pass = MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config), training=True)
     before = aten_gm.print_readable(print_output=False)
     with torch.no_grad():  # the pass reads the parameters' values; it records nothing

@@ -2,24 +2,26 @@
 
 AOTAutograd hands Inductor's post-grad passes a forward and a backward graph already partitioned, where
 a block's forward has been differentiated op by op: too late to put one op in its place. So a graph that
-records autograd is first traced here to a functional aten graph without autograd (``make_fx`` of the
-functionalised Dynamo graph, under ``no_grad``), the pass
+records autograd is first traced here to a functional aten graph of its forward alone (``make_fx`` of the
+functionalised Dynamo graph: the ops as they reach autograd, which records nothing that is kept), the pass
 rewrites that, and the rewritten aten graph goes to the inner compiler as Dynamo's graph would have:
 AOTAutograd differentiates it again, now through the fused ops' registered backward
 (``ops/autograd.py``). Expert weights that the inference rewrite would stack into a cached copy are
 stacked in the graph instead (``passes/rewrite.py``), so their gradients reach the model's parameters.
 
 Left alone, with the reason: graphs with symbolic shapes (the aten graph is traced at the example's
-shapes), graphs that switch grad mode or detach inside (tracing without autograd would lose that), and
-expert- or tensor-parallel blocks; on NPU (TorchAir) training graphs are compiled without the pass.
+shapes), graphs that enter inference mode or forward-mode AD, graphs holding
+higher-order ops or functorch transforms (``vmap`` in a mask function, a Mamba scan: the trace's own
+functionalization is a functorch transform and does not nest with them), and expert- or tensor-parallel
+blocks; on NPU (TorchAir) training graphs are compiled without the pass.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-_GRAD_MODE_TARGETS = ("_set_grad_enabled", "set_grad_enabled", "no_grad", "enable_grad", "inference_mode",
-                      "detach", "detach_")
+# grad-mode changes other than Dynamo's _set_grad_enabled nodes (which the trace keeps: _GradModeKeeper)
+_OTHER_GRAD_MODES = ("inference_mode", "_enter_inference_mode", "_set_fwd_grad_enabled", "_enter_dual_level")
 
 
 def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str | None:
@@ -33,30 +35,50 @@ def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str |
             return ("autograd is recording with symbolic shapes (%s): training graphs are rewritten at static "
                     "shapes only (torch.compile(..., dynamic=False))" % t)
     for node in gm.graph.nodes:
-        name = getattr(node.target, "__name__", node.target) if node.op != "placeholder" else None
-        if node.op in ("call_function", "call_method") and name in _GRAD_MODE_TARGETS:
-            return ("autograd is recording and the graph switches grad mode or detaches (%s): tracing it without "
-                    "autograd would lose that, so it is compiled without the pass" % node.format_node()[:100])
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = getattr(node.target, "__name__", node.target)
+        if name in _OTHER_GRAD_MODES:
+            return ("autograd is recording and the graph enters %s (%s): compiled without the pass"
+                    % (name, node.format_node()[:100]))
+        module = getattr(node.target, "__module__", None) or ""
+        if isinstance(node.target, torch._ops.HigherOrderOperator) or "_functorch" in module:
+            return ("autograd is recording and the graph holds %s (a higher-order op or a functorch transform, e.g. "
+                    "vmap): training graphs with them are compiled without the pass" % name)
     return None
 
 
-def trace_without_autograd(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
-    """Dynamo's graph as a functional aten graph traced under ``no_grad`` at the example inputs' shapes,
-    taking the same flat inputs and giving the same outputs. No decompositions: every op it holds is one
-    that reached autograd, so autograd can go through it again (Inductor decomposes when it compiles)."""
+def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """Dynamo's graph as a functional aten graph at the example inputs' shapes, taking the same flat inputs and
+    giving the same outputs. No decompositions: every op it holds is one that reached autograd, so autograd can
+    go through it again (Inductor decomposes when it compiles). Traced with grad mode on, as the training step
+    runs: composite ops that choose their kernel by ``requires_grad`` (``scaled_dot_product_attention`` with a
+    mask that requires grad takes the math path) choose as they will when the graph is differentiated."""
+    from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from torch.fx import traceback as fx_traceback
-
     # run node by node, so each new node keeps its source node's metadata (the module path the report names)
-    functional = torch.func.functionalize(lambda *args: fx.Interpreter(gm).run(*args), remove="mutations")
+    functional = torch.func.functionalize(lambda *args: _GradModeKeeper(gm).run(*args), remove="mutations")
     # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
     # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
-    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.no_grad():
+    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
         traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+class _GradModeKeeper(fx.Interpreter):
+    """Runs Dynamo's graph node by node; a value computed while the graph has grad mode off (its
+    ``_set_grad_enabled(False)`` nodes run here as they do in the model) is detached, so the aten graph, which
+    keeps no grad mode, keeps its meaning: autograd does not go through that value (``aten.detach`` is a
+    view, and functionalization keeps it)."""
+
+    def run_node(self, n: fx.Node):
+        result = super().run_node(n)
+        if n.op in ("call_function", "call_method", "call_module") and not torch.is_grad_enabled():
+            result = torch.utils._pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, result)
+        return result
 
 
 def differentiable(gm: fx.GraphModule) -> int:
@@ -91,4 +113,4 @@ def differentiable(gm: fx.GraphModule) -> int:
     return count
 
 
-__all__ = ["differentiable", "refusal", "trace_without_autograd"]
+__all__ = ["differentiable", "refusal", "trace_to_aten"]

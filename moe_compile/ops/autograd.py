@@ -9,8 +9,9 @@ sorted by expert) and returns the gradients torch's autograd takes from that. So
 - the forward saves only the op's inputs (the block input, router logits and weights): no activations are
   held between forward and backward, as activation checkpointing would hold none; the price is a second
   forward of the experts inside the backward;
-- the backward reads the expert counts on the host (a sort and one GEMM pair per expert hit), so a training
-  step is not CUDA-graph capturable; the forward still is.
+- the backward reads the expert counts on the host (a sort and one GEMM pair per expert hit), so it is not
+  CUDA-graph capturable: the backward ops carry ``torch.Tag.cudagraph_unsafe``, which Inductor's CUDA graphs
+  keep out (a partition of their own, or no graph for that backward); the forward still is capturable.
 
 The selection itself (``topk_ids``) has no gradient; the selection bias (``e_score_correction_bias``) gets
 none, as in the models. Expert- and tensor-parallel groups are refused in the backward.
@@ -29,6 +30,8 @@ from moe_compile.ops.registration import op
 from moe_compile.ops.routing import select_experts
 
 TENSORS = 7
+# the backward reads expert counts on the host: Inductor keeps it out of CUDA graphs (a partition or no graph)
+_HOST_SYNC = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
 def experts_reference(x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, w13: torch.Tensor,
@@ -93,7 +96,7 @@ def _leaves(tensors: list) -> list:
     return [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
 
 
-@op("moe_compile::fused_moe_backward")
+@op("moe_compile::fused_moe_backward", tags=_HOST_SYNC)
 def fused_moe_backward_op(
     grad_out: torch.Tensor, hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
     w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
@@ -121,7 +124,7 @@ def _fused_moe_backward_fake(grad_out, hidden_states, router_logits, w13_weight,
     return _fake_grads(grad_out, [hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias], needs)
 
 
-@op("moe_compile::fused_experts_backward")
+@op("moe_compile::fused_experts_backward", tags=_HOST_SYNC)
 def fused_experts_backward_op(
     grad_out: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_weight: torch.Tensor, w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor],

@@ -49,14 +49,14 @@ class _Backward:
 class Op:
     """One registered op: ``op(...)`` calls it through the dispatcher (``torch.ops.moe_compile.<name>``)."""
 
-    def __init__(self, qualname: str, fn: Callable):
+    def __init__(self, qualname: str, fn: Callable, tags: tuple = ()):
         namespace, _, name = qualname.partition("::")
         if namespace != _LIB.ns or not name.isidentifier():
             raise ValueError(f"op: qualname={qualname!r}; expected '{_LIB.ns}::<name>'.")
         self._qualname, self._name, self._init_fn = qualname, name, fn
         self._backward = _Backward()
         schema = torch.library.infer_schema(fn, mutates_args=())
-        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag, *tags))
         self._opoverload = getattr(getattr(torch.ops, namespace), name).default
         _LIB.impl(name, fn, "CompositeExplicitAutograd")
         _LIB.impl(name, self._autograd_kernel(), "Autograd", with_keyset=True)
@@ -91,9 +91,10 @@ class Op:
         return f"<moe_compile op {self._qualname}>"
 
 
-def op(qualname: str) -> Callable[[Callable], Op]:
-    """Decorator: ``@op("moe_compile::name")`` over the op's Python body (see the module doc)."""
-    return lambda fn: Op(qualname, fn)
+def op(qualname: str, tags: tuple = ()) -> Callable[[Callable], Op]:
+    """Decorator: ``@op("moe_compile::name")`` over the op's Python body (see the module doc); ``tags``: more
+    ``torch.Tag``s than ``pt2_compliant_tag``."""
+    return lambda fn: Op(qualname, fn, tags)
 
 
 __all__ = ["DIRECT", "Op", "op"]

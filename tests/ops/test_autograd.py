@@ -168,3 +168,10 @@ def test_experts_nobody_picked_get_zero_gradient():
     out = moe_compile.fused_moe(x, logits, E, 2, w13, w2)
     gw13, = torch.autograd.grad(out.sum(), [w13])
     assert torch.count_nonzero(gw13[4:]) == 0 and torch.count_nonzero(gw13[:4]) > 0
+
+
+def test_the_backward_ops_are_kept_out_of_cuda_graphs():
+    """They read expert counts on the host; Inductor's CUDA graphs skip or partition around ops with this tag."""
+    for name in ("fused_moe_backward", "fused_experts_backward"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.moe_compile, name).default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.moe_compile.fused_moe.default.tags

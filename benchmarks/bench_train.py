@@ -1,0 +1,119 @@
+"""A training step (forward, cross-entropy, backward) of an HF MoE model: eager vs Inductor vs ``backend="moe_npu"``.
+
+    python benchmarks/bench_train.py [--model qwen3] [--hidden 512] [--inter 256] [--experts 32] [--top-k 4]
+        [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--out DIR]
+
+For each mode: the first step's time (the compile), the median step time (``bench_cpu_layer.interleaved_ms``:
+each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
+for backward, parameters not counted, each storage once; ``torch.autograd.graph.saved_tensors_hooks``), and the
+largest difference of the loss and of every parameter's gradient from eager (relative to its largest entry).
+``moe_npu``'s backward recomputes each rewritten block in plain torch (``moe_compile/ops/autograd.py``), so it
+saves only the blocks' inputs. Prints a table; writes ``train.json`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
+
+from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
+from benchmarks.bench_export import make_model  # noqa: E402
+
+MODES = ("eager", "inductor", "moe_npu")
+
+
+def compiled(mode: str, model):
+    import moe_compile  # noqa: F401  (registers the backend)
+
+    if mode == "eager":
+        return model
+    if mode == "inductor":
+        return torch.compile(model, dynamic=False)
+    return torch.compile(model, backend="moe_npu", dynamic=False, options={"inner_compiler": "inductor"})
+
+
+def step(model, fn, batch: dict) -> tuple[float, dict]:
+    model.zero_grad(set_to_none=True)
+    logits = fn(input_ids=batch["input_ids"]).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def saved_bytes(model, fn, batch: dict) -> int:
+    """Bytes of the tensors saved for backward by one forward (parameters left out, each storage once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = fn(input_ids=batch["input_ids"]).logits
+    F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten()).backward()
+    return sum(seen.values())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["qwen3", "mixtral"], default="qwen3")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--inter", type=int, default=256)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    model = make_model(args)
+    gen = torch.Generator(device=args.device).manual_seed(1)
+
+    def batch():
+        ids = torch.randint(0, 1024, (args.batch, args.seq + 1), device=args.device, generator=gen)
+        return {"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()}
+
+    first = batch()
+    ref_loss, ref_grads = step(model, model, first)
+    ref_grads = {n: g.clone() for n, g in ref_grads.items()}
+    fns, rows = {}, {}
+    for mode in args.modes:
+        fns[mode] = compiled(mode, model)
+        start = time.perf_counter()
+        loss, grads = step(model, fns[mode], first)
+        worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in ref_grads.items())
+        rows[mode] = dict(mode=mode, first_step_s=time.perf_counter() - start, loss_diff=abs(loss - ref_loss),
+                          grad_rel_diff=worst, saved_mb=saved_bytes(model, fns[mode], first) / 2**20)
+    batches = [batch() for _ in range(4)]
+    ms = interleaved_ms({mode: (lambda b, fn=fn: step(model, fn, b)) for mode, fn in fns.items()}, batches, args.reps)
+    print("%-9s %9s %8s %13s %9s %10s %13s" % ("mode", "step ms", "x eager", "first step s", "saved MB", "loss diff",
+                                               "grad rel diff"))
+    for mode, row in rows.items():
+        row["ms"] = ms[mode]
+        print("%-9s %9.1f %8.2f %13.1f %9.1f %10.1e %13.1e" % (mode, row["ms"], ms["eager"] / row["ms"]
+                                                               if "eager" in ms else float("nan"), row["first_step_s"],
+                                                               row["saved_mb"], row["loss_diff"], row["grad_rel_diff"]))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "train.json").write_text(json.dumps(dict(args=vars(args), rows=list(rows.values())), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
