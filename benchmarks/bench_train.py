@@ -1,7 +1,8 @@
 """A training step (forward, cross-entropy, backward) of an HF MoE model: eager vs Inductor vs ``backend="moe_npu"``.
 
     python benchmarks/bench_train.py [--model qwen3] [--hidden 512] [--inter 256] [--experts 32] [--top-k 4]
-        [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--out DIR]
+        [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--inner inductor]
+        [--out DIR]
 
 For each mode: the first step's time (the compile), the median step time (``bench_cpu_layer.interleaved_ms``:
 each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
@@ -29,14 +30,14 @@ from benchmarks.bench_export import make_model  # noqa: E402
 MODES = ("eager", "inductor", "moe_npu")
 
 
-def compiled(mode: str, model):
+def compiled(mode: str, model, inner: str = "inductor"):
     import moe_compile  # noqa: F401  (registers the backend)
 
     if mode == "eager":
         return model
     if mode == "inductor":
         return torch.compile(model, dynamic=False)
-    return torch.compile(model, backend="moe_npu", dynamic=False, options={"inner_compiler": "inductor"})
+    return torch.compile(model, backend="moe_npu", dynamic=False, options={"inner_compiler": inner})
 
 
 def step(model, fn, batch: dict) -> tuple[float, dict]:
@@ -79,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"],
+                        help="moe_npu's inner compiler (aot_eager: quick, for tests)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -94,7 +97,7 @@ def main(argv=None) -> int:
     ref_grads = {n: g.clone() for n, g in ref_grads.items()}
     fns, rows = {}, {}
     for mode in args.modes:
-        fns[mode] = compiled(mode, model)
+        fns[mode] = compiled(mode, model, args.inner)
         start = time.perf_counter()
         loss, grads = step(model, fns[mode], first)
         worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in ref_grads.items())
@@ -111,7 +114,8 @@ def main(argv=None) -> int:
                                                                row["saved_mb"], row["loss_diff"], row["grad_rel_diff"]))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "train.json").write_text(json.dumps(dict(args=vars(args), rows=list(rows.values())), indent=1))
+        text = json.dumps(dict(args=vars(args), rows=list(rows.values())), indent=1)
+        (Path(args.out) / "train.json").write_text(text)
     return 0
 
 

@@ -10,6 +10,9 @@ it there (functionalised, every spelling of an op normalised), then the inner co
 - ``aot_eager`` / ``eager``: the rewritten aten graph runs as is;
 - ``torchair``: the rewritten graph goes to TorchAir (NPU only; see ``lowering/torchair.py``).
 
+A graph that records autograd (training) is traced to aten by ``training.py`` first, rewritten there, and
+the inner compiler differentiates the rewritten graph through the fused ops' backward (``ops/autograd.py``).
+
 Any exception inside the pass compiles the original graph instead and warns once: a compile
 that works without us works with us. A failure the original graph shares (it fails too, or the pass
 changed nothing and Inductor failed) is not the pass's: no warning, and the error goes on to Dynamo
@@ -138,7 +141,16 @@ def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendC
     from moe_compile import training
     from moe_compile.passes.moe_pass import MoEFusionPass
 
-    aten_gm = training.trace_to_aten(gm, example_inputs)
+    try:
+        aten_gm = training.trace_to_aten(gm, example_inputs)
+    except Exception as exc:  # nothing rewritten yet: a skip with its reason, not a failure of the pass
+        from moe_compile.report import BlockDecision, record
+
+        log.debug("moe_compile: tracing the training graph to aten failed", exc_info=True)
+        record(BlockDecision(path="<graph>", reason="autograd is recording and the graph could not be traced to aten "
+                             "for the pass (%s: %s); compiled without it" % (type(exc).__name__,
+                                                                           str(exc).split("\n")[0][:200])))
+        return _compile_plain(gm, example_inputs, inner, config)
     moe_pass = MoEFusionPass(config, list(example_inputs), _input_names(gm), _op_kwargs(config), training=True)
     before = aten_gm.print_readable(print_output=False)
     with torch.no_grad():  # the pass reads the parameters' values; it records nothing

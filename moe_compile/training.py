@@ -57,8 +57,15 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    # run node by node, so each new node keeps its source node's metadata (the module path the report names)
-    functional = torch.func.functionalize(lambda *args: _GradModeKeeper(gm).run(*args), remove="mutations")
+    def run(*args):
+        # node by node, so each new node keeps its source node's metadata (the module path the report names)
+        out = _GradModeKeeper(gm).run(*args)
+        # the copies into mutated inputs that functionalize appends next carry no gradient (a parameter is a
+        # leaf; autograd refuses an in-place copy into one that requires grad)
+        torch._C._set_grad_enabled(False)
+        return out
+
+    functional = torch.func.functionalize(run, remove="mutations")
     # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
     # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
     with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():

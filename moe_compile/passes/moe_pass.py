@@ -43,7 +43,7 @@ class MoEFusionPass(_Base):
         self.input_names = input_names
         self.op_kwargs = op_kwargs
         self.rewritten = 0
-        self._routed: dict = {}  # router logits node -> the path of the block rewritten on them
+        self._routed_logits: dict = {}  # router logits node -> the path of the block rewritten on them
 
     def uuid(self):
         from moe_compile.compile_cache import package_hash
@@ -97,9 +97,9 @@ class MoEFusionPass(_Base):
             record(BlockDecision(path=path, num_experts=anchor.num_experts, top_k=anchor.top_k, reason=reason,
                                  router_weight_id=weight_id))
             return
-        if anchor.logits in self._routed:  # e.g. the load-balancing loss over the router logits: not a block
+        if anchor.logits in self._routed_logits:  # e.g. the load-balancing loss over the router logits: not a block
             record(BlockDecision(path=path, reason="a top-k over router logits the block %s routes with (e.g. a "
-                                 "load-balancing loss), not a block of its own" % self._routed[anchor.logits],
+                                 "load-balancing loss), not a block of its own" % self._routed_logits[anchor.logits],
                                  not_moe=True))
             return
         try:
@@ -130,7 +130,7 @@ class MoEFusionPass(_Base):
             fused = rewrite_block(gm, match, ctx.values, self.op_kwargs, self._groups(), training=self.training,
                                   router_on_cuda=not self.training and self._lowers_to_cuda(ctx, anchor))
         self.rewritten += 1
-        self._routed[anchor.logits] = match.path
+        self._routed_logits[anchor.logits] = match.path
         router = match.router_kind()
         if fused.args[1].target is torch.ops.moe_compile.router_logits.default:
             if len(fused.args[1].args) > 3:

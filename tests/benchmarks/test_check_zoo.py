@@ -77,3 +77,18 @@ def test_a_crashing_family_is_flagged_and_the_scan_goes_on(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "mixtral              FAILED: RuntimeError: crashed on purpose" in out
     assert "qwen3_moe" in out and "1 flagged: ['mixtral']" in out
+
+
+def test_training_mode_compares_every_gradient(capsys):
+    assert check_zoo.main(["--training", "--families", "qwen3_moe", "--tokens", "5", "--tol", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "'rewritten': 2" in out and " grads " in out and "none flagged" in out, out
+
+
+def test_a_wrong_gradient_is_flagged_by_tol(capsys, monkeypatch):
+    from moe_compile.ops import autograd
+
+    right = autograd._grads
+    monkeypatch.setattr(autograd, "_grads", lambda *a: [g * 1.01 for g in right(*a)])
+    assert check_zoo.main(["--training", "--families", "qwen3_moe", "--tokens", "5", "--tol", "1e-3"]) == 1
+    assert "1 flagged: ['qwen3_moe']" in capsys.readouterr().out

@@ -168,9 +168,9 @@ def test_ep_and_tp_groups_reach_the_experts_only_rewrite(monkeypatch):
     seen = []
     real = moe_pass.rewrite_experts
 
-    def spy(gm, match, values, op_kwargs, groups=None):
+    def spy(gm, match, values, op_kwargs, groups=None, **kwargs):
         seen.append(groups)
-        return real(gm, match, values, op_kwargs)  # unsharded: one process has no group to shard over
+        return real(gm, match, values, op_kwargs, **kwargs)  # unsharded: one process has no group to shard over
 
     monkeypatch.setattr(MoEFusionPass, "_groups", lambda self: groups)
     monkeypatch.setattr(moe_pass, "rewrite_experts", spy)
