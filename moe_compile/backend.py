@@ -162,6 +162,15 @@ def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendC
     training.differentiable(aten_gm)
     if inner is InnerCompiler.EAGER:
         return aten_gm.forward
+    if inner is InnerCompiler.INDUCTOR:
+        from torch._inductor import config as inductor_config
+
+        from moe_compile.compile_cache import package_hash
+
+        # a do-nothing custom pass whose uuid puts the package's source in Inductor's cache keys: a graph cached
+        # with another version's ops (their schemas) is not served
+        with inductor_config.patch(post_grad_custom_pre_pass=_InductorHook(lambda graph: None, package_hash())):
+            return _compile_plain(aten_gm, example_inputs, inner, config)
     return _compile_plain(aten_gm, example_inputs, inner, config)
 
 

@@ -1,14 +1,16 @@
 """The fused ops' backward, so training graphs can run them.
 
 The forward stays the lowering's kernels. The backward is one opaque op per fused op,
-``moe_compile::fused_moe_backward`` / ``fused_experts_backward``: it recomputes the block in plain torch
-under autograd (the routing with ``select_experts``, the experts as one GEMM pair per expert hit, tokens
-sorted by expert) and returns the gradients torch's autograd takes from that. So:
+``moe_compile::fused_moe_backward`` / ``fused_experts_backward``: the routing is recomputed under autograd
+(``select_experts``), the experts' backward is written out (``experts_backward``: the pairs sorted by expert,
+each expert hit recomputing its first GEMM and running its four backward GEMMs, the activation's
+derivative taken by autograd on that expert's first-GEMM output alone), and autograd carries the routing
+weights' gradient back to the router logits. So:
 
 - the gradients are those of the op's documented semantics, for every routing method, activation and bias;
 - the forward saves only the op's inputs (the block input, router logits and weights): no activations are
-  held between forward and backward, as activation checkpointing would hold none; the price is a second
-  forward of the experts inside the backward;
+  held between forward and backward, as activation checkpointing would hold none; the price is the experts'
+  first GEMM and activation again inside the backward;
 - the backward reads the expert counts on the host (a sort and one GEMM pair per expert hit), so it is not
   CUDA-graph capturable: the backward ops carry ``torch.Tag.cudagraph_unsafe``, which Inductor's CUDA graphs
   keep out (a partition of their own, or no graph for that backward); the forward still is capturable.
@@ -18,14 +20,15 @@ none, as in the models. Expert- and tensor-parallel groups are refused in the ba
 """
 from __future__ import annotations
 
+import functools
 import json
 from typing import Optional
 
 import torch
 
 from moe_compile.ops import custom_op as co
-from moe_compile.ops.activation import apply_activation
-from moe_compile.ops.config import ExpertsConfig, MoEConfig
+from moe_compile.ops.activation import apply_activation, split_gate_up
+from moe_compile.ops.config import Activation, ExpertsConfig, MoEConfig
 from moe_compile.ops.registration import op
 from moe_compile.ops.routing import select_experts
 
@@ -34,13 +37,61 @@ TENSORS = 7
 _HOST_SYNC = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
-def experts_reference(x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor, w13: torch.Tensor,
-                      w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
-                      cfg: ExpertsConfig) -> torch.Tensor:
-    """``sum_k w[t,k] * expert_{id[t,k]}(x[t])`` in plain, differentiable torch; ``[T, H]`` in ``x``'s dtype.
+def _zeros(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous zeros shaped like ``t`` (the fake kernels promise contiguous gradients; ``zeros_like`` would
+    copy a permuted weight's strides)."""
+    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
-    The ``T*k`` pairs are sorted by expert; each expert hit runs its two GEMMs on its rows
-    (``w13 [E, H, 2I]``, ``w2 [E, I, H]``), and the weighted rows are summed back per token."""
+
+def _activation_with_backward(h: torch.Tensor, cfg: ExpertsConfig):
+    """(the activation of the first GEMM's output ``h``, a function from its gradient to ``h``'s): written out for
+    SiLU-gated experts, the common case; by autograd on ``h`` alone for the others."""
+    if cfg.activation is Activation.SILU:
+        gate, up = split_gate_up(h, cfg.gate_up_interleaved)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+
+        def backward(da: torch.Tensor) -> torch.Tensor:
+            dh = torch.empty_like(h)
+            d_gate, d_up = split_gate_up(dh, cfg.gate_up_interleaved)
+            d_gate.copy_(da * up * sig * (1 + gate * (1 - sig)))
+            d_up.copy_(da * silu)
+            return dh
+
+        return silu * up, backward
+    with torch.enable_grad():
+        h_leaf = h.detach().requires_grad_()
+        act = apply_activation(h_leaf, cfg)
+    return act.detach(), lambda da: torch.autograd.grad(act, h_leaf, da)[0]
+
+
+def _grad_buffer(t: torch.Tensor, flip: bool) -> torch.Tensor:
+    """An uninitialised gradient shaped like ``t``: contiguous, or (``flip``) a transpose of its last two dims'
+    contiguous layout. Decided by ``flip`` alone, never by ``t``'s strides, so the fake kernel lays it out the same
+    whatever strides a compiler hands the real one."""
+    if not flip:
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty(*t.shape[:-2], t.shape[-1], t.shape[-2], dtype=t.dtype, device=t.device).transpose(-1, -2)
+
+
+def transposed_layout(t: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` (a 3-D weight) is a transpose of its last two dims' contiguous layout (HF's [E, N, K]
+    parameter read as [E, K, N])."""
+    return t is not None and t.dim() == 3 and not t.is_contiguous() and t.transpose(-1, -2).is_contiguous()
+
+
+def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                     cfg: ExpertsConfig, needs: list[bool],
+                     transposed: tuple = (False, False)) -> list[Optional[torch.Tensor]]:
+    """Gradients of ``out[t] = sum_k w[t,k] * expert_{id[t,k]}(x[t])`` (``w13 [E, H, 2I]``, ``w2 [E, I, H]``) for
+    (x, weights, w13, w2, b13, b2), each where ``needs`` says so (else None).
+
+    The ``T*k`` pairs are sorted by expert; each expert hit recomputes its first GEMM and the activation and runs
+    four backward GEMMs, writing its weight gradients in place (the pair weights' gradient ``<g, y>`` is read as
+    ``<g @ w2^T, act>``, so the second GEMM is not recomputed); the activation's derivative comes from autograd on
+    the ``[n, 2I]`` first-GEMM output alone, so every activation is covered."""
+    need_x, need_w, need_w13, need_w2, need_b13, need_b2 = needs
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[-1]
     flat = ids_TK.reshape(-1).long()
@@ -49,25 +100,66 @@ def experts_reference(x_TH: torch.Tensor, weights_TK: torch.Tensor, ids_TK: torc
     token = order // top_k
     rows = x_TH.index_select(0, token)
     pair_w = weights_TK.reshape(-1).index_select(0, order).unsqueeze(-1)
-    if cfg.apply_router_weight_on_input:
-        rows = rows * pair_w.to(rows.dtype)
-    pieces, start = [], 0
+    grad_rows = grad_TH.index_select(0, token)
+    on_input = cfg.apply_router_weight_on_input
+    x_in = rows * pair_w.to(rows.dtype) if on_input else rows
+    grad_in = torch.empty_like(rows) if need_x or (need_w and on_input) else None
+    grad_pair = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device) if need_w else None
+    # written per expert hit; the experts nobody picked are zeroed after the loop (not the whole tensor first).
+    # ``transposed``: w13 / w2 are read through a permute of a parameter stored [E, N, K] (HF): their gradients
+    # are laid out so, and the parameter's own gradient is dense, which autograd accumulates without a copy
+    d13, d2 = (_grad_buffer(t, flip) if need else None
+               for t, need, flip in ((w13, need_w13, transposed[0]), (w2, need_w2, transposed[1])))
+    db13, db2 = (_grad_buffer(t, False) if need and t is not None else None for t, need in ((b13, need_b13),
+                                                                                          (b2, need_b2)))
+    start = 0
     for expert, count in enumerate(counts):
         if not count:
             continue
-        h = rows[start:start + count] @ w13[expert]
+        rows_e = slice(start, start + count)
+        start += count
+        xe = x_in[rows_e]
+        h = xe @ w13[expert]
         if b13 is not None:
             h = h + b13[expert]
-        y = apply_activation(h, cfg) @ w2[expert]
-        if b2 is not None:
-            y = y + b2[expert]
-        pieces.append(y)
-        start += count
-    out_rows = torch.cat(pieces) if pieces else rows.new_zeros(0, hidden)
-    if not cfg.apply_router_weight_on_input:
-        out_rows = out_rows * pair_w.to(out_rows.dtype)
-    out = out_rows.new_zeros(num_tokens, hidden).index_add(0, token, out_rows)
-    return out.to(x_TH.dtype)
+        act, act_backward = _activation_with_backward(h, cfg)
+        ge = grad_rows[rows_e]
+        ga = ge @ w2[expert].t()  # the activation's gradient before the pair weight
+        if on_input:
+            dy, da = ge, ga
+        else:
+            we = pair_w[rows_e].to(ge.dtype)
+            dy, da = ge * we, ga * we
+            if need_w:  # <g, act @ w2 + b2> without the second GEMM again: <g @ w2^T, act> + <g, b2>
+                dot = (ga.float() * act.float()).sum(-1)
+                grad_pair[rows_e] = dot if b2 is None else dot + ge.float() @ b2[expert].float()
+        if d2 is not None:
+            torch.mm(act.t(), dy, out=d2[expert])
+        if db2 is not None:
+            db2[expert] = dy.sum(0)
+        dh = act_backward(da)
+        if d13 is not None:
+            torch.mm(xe.t(), dh, out=d13[expert])
+        if db13 is not None:
+            db13[expert] = dh.sum(0)
+        if grad_in is not None:
+            torch.mm(dh, w13[expert].t(), out=grad_in[rows_e])
+    unhit = [e for e, count in enumerate(counts) if not count]
+    if unhit:
+        idle = torch.tensor(unhit, device=w13.device)
+        for grad in (d13, d2, db13, db2):
+            if grad is not None:
+                grad.index_fill_(0, idle, 0)
+    dx = dw = None
+    if on_input and need_w:
+        grad_pair = (grad_in.float() * rows.float()).sum(-1)
+    if need_x:
+        grad_rows_in = grad_in * pair_w.to(grad_in.dtype) if on_input else grad_in
+        dx = _zeros(x_TH).index_add_(0, token, grad_rows_in)
+    if need_w:
+        dw = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device).index_copy_(0, order, grad_pair)
+        dw = dw.reshape(weights_TK.shape).to(weights_TK.dtype)
+    return [dx, dw, d13, d2, db13, db2]
 
 
 def _check_single_device(cfg: MoEConfig, name: str) -> None:
@@ -78,29 +170,16 @@ def _check_single_device(cfg: MoEConfig, name: str) -> None:
                                   f"None (train expert- or tensor-parallel blocks without the fused op)")
 
 
-def _grads(outputs: torch.Tensor, grad_out: torch.Tensor, inputs: list, needs: list[bool]) -> list[torch.Tensor]:
-    """Gradients for ``inputs`` where ``needs`` (and the input is there), else empty placeholders."""
-    wanted = [t for t, need in zip(inputs, needs) if need and t is not None]
-    got = iter(torch.autograd.grad(outputs, wanted, grad_out, allow_unused=True) if wanted else ())
-    result = []
-    for t, need in zip(inputs, needs):
-        if need and t is not None:
-            g = next(got)
-            result.append(torch.zeros_like(t) if g is None else g)
-        else:
-            result.append(grad_out.new_empty(0))
-    return result
-
-
-def _leaves(tensors: list) -> list:
-    return [None if t is None else t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+def _filled(grads: list, grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """The op's list of gradients: an empty tensor where none was asked for (the schema has no optional list)."""
+    return [grad_out.new_empty(0) if g is None else g for g in grads]
 
 
 @op("moe_compile::fused_moe_backward", tags=_HOST_SYNC)
 def fused_moe_backward_op(
     grad_out: torch.Tensor, hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
     w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor], w2_bias: Optional[torch.Tensor],
-    e_score_correction_bias: Optional[torch.Tensor], needs: list[bool], scalars: str,
+    e_score_correction_bias: Optional[torch.Tensor], needs: list[bool], transposed: list[bool], scalars: str,
 ) -> list[torch.Tensor]:
     """Gradients of ``moe_compile::fused_moe`` for (hidden_states, router_logits, w13_weight, w2_weight,
     w13_bias, w2_bias): each where ``needs`` says so, else an empty tensor. ``scalars``: the op's 21
@@ -109,50 +188,58 @@ def fused_moe_backward_op(
     cfg = co.make_config(*values[:10], e_score_correction_bias is not None, *values[10:])
     _check_single_device(cfg, "fused_moe_backward")
     hidden = hidden_states.shape[-1]
+    need_x, need_logits, *need_rest = needs
     with torch.enable_grad():
-        x, logits, w13, w2, b13, b2 = _leaves([hidden_states, router_logits, w13_weight, w2_weight, w13_bias,
-                                               w2_bias])
+        logits = router_logits.detach().requires_grad_(need_logits)
         weights, ids = select_experts(logits.reshape(-1, cfg.routing.num_experts), cfg.routing,
                                       e_score_correction_bias)
-        out = experts_reference(x.reshape(-1, hidden), weights, ids, w13, w2, b13, b2, cfg.experts)
-        return _grads(out.reshape(hidden_states.shape), grad_out, [x, logits, w13, w2, b13, b2], needs)
+    grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden), weights.detach(), ids,
+                             w13_weight, w2_weight, w13_bias, w2_bias, cfg.experts, [need_x, need_logits, *need_rest],
+                             tuple(transposed))
+    dx, dweights = grads[0], grads[1]
+    dlogits = torch.autograd.grad(weights, logits, dweights)[0].contiguous() if need_logits else None
+    return _filled([None if dx is None else dx.reshape(hidden_states.shape), dlogits, *grads[2:]], grad_out)
 
 
 @fused_moe_backward_op.register_fake
 def _fused_moe_backward_fake(grad_out, hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias,
-                             e_score_correction_bias, needs, scalars):
-    return _fake_grads(grad_out, [hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias], needs)
+                             e_score_correction_bias, needs, transposed, scalars):
+    return _fake_grads(grad_out, [hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias], needs,
+                       transposed)
 
 
 @op("moe_compile::fused_experts_backward", tags=_HOST_SYNC)
 def fused_experts_backward_op(
     grad_out: torch.Tensor, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_weight: torch.Tensor, w2_weight: torch.Tensor, w13_bias: Optional[torch.Tensor],
-    w2_bias: Optional[torch.Tensor], needs: list[bool], scalars: str,
+    w2_bias: Optional[torch.Tensor], needs: list[bool], transposed: list[bool], scalars: str,
 ) -> list[torch.Tensor]:
     """Gradients of ``moe_compile::fused_experts`` for (hidden_states, topk_weights, w13_weight, w2_weight,
     w13_bias, w2_bias), as ``fused_moe_backward`` gives them; ``topk_ids`` has none."""
     values = json.loads(scalars)
     cfg = co.make_config(values[0], topk_ids.shape[-1], *co._ROUTING_DONE.values(), *values[1:])
     _check_single_device(cfg, "fused_experts_backward")
-    with torch.enable_grad():
-        x, weights, w13, w2, b13, b2 = _leaves([hidden_states, topk_weights, w13_weight, w2_weight, w13_bias,
-                                                w2_bias])
-        hidden = hidden_states.shape[-1]
-        out = experts_reference(x.reshape(-1, hidden), weights.reshape(-1, topk_ids.shape[-1]),
-                                topk_ids.reshape(-1, topk_ids.shape[-1]), w13, w2, b13, b2, cfg.experts)
-        return _grads(out.reshape(hidden_states.shape), grad_out, [x, weights, w13, w2, b13, b2], needs)
+    hidden, top_k = hidden_states.shape[-1], topk_ids.shape[-1]
+    grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden),
+                             topk_weights.reshape(-1, top_k), topk_ids.reshape(-1, top_k), w13_weight, w2_weight,
+                             w13_bias, w2_bias, cfg.experts, list(needs), tuple(transposed))
+    dx, dw = grads[0], grads[1]
+    return _filled([None if dx is None else dx.reshape(hidden_states.shape),
+                    None if dw is None else dw.reshape(topk_weights.shape), *grads[2:]], grad_out)
 
 
 @fused_experts_backward_op.register_fake
 def _fused_experts_backward_fake(grad_out, hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias,
-                                 w2_bias, needs, scalars):
-    return _fake_grads(grad_out, [hidden_states, topk_weights, w13_weight, w2_weight, w13_bias, w2_bias], needs)
+                                 w2_bias, needs, transposed, scalars):
+    return _fake_grads(grad_out, [hidden_states, topk_weights, w13_weight, w2_weight, w13_bias, w2_bias], needs,
+                       transposed)
 
 
-def _fake_grads(grad_out, inputs: list, needs: list[bool]) -> list[torch.Tensor]:
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) if need and t is not None
-            else grad_out.new_empty(0) for t, need in zip(inputs, needs)]
+def _fake_grads(grad_out, inputs: list, needs: list[bool], transposed: list[bool]) -> list[torch.Tensor]:
+    """As the real kernels lay them out: contiguous, the weights' as ``transposed`` says (``_grad_buffer``)."""
+    flips = [False, False, *transposed, False, False]
+    return [grad_out.new_empty(0) if not need or t is None else _grad_buffer(t, flip)
+            for t, need, flip in zip(inputs, needs, flips)]
 
 
 def _scalars(inputs) -> str:
@@ -161,32 +248,42 @@ def _scalars(inputs) -> str:
     return json.dumps([int(v) if isinstance(v, torch.SymInt) else v for v in inputs[TENSORS:]])
 
 
-def _setup(ctx, inputs, output) -> None:
+def _setup(ctx, inputs, output, *, w13_at: int) -> None:
     ctx.save_for_backward(*inputs[:TENSORS])
     ctx.scalars = _scalars(inputs)
+    # read when the forward is traced (or runs eagerly): the graph's own layout, a constant of the backward's call
+    ctx.transposed = [transposed_layout(inputs[w13_at]), transposed_layout(inputs[w13_at + 1])]
+
+
+def _first_order_only(name: str) -> None:
+    if torch.is_grad_enabled():  # the engine runs a backward with grad mode on only for create_graph=True
+        raise NotImplementedError(f"double backward through moe_compile::{name} is not supported (its backward op "
+                                  f"has no backward): take the gradient without create_graph=True")
 
 
 def _fused_moe_grads(ctx, grad_out):
+    _first_order_only("fused_moe")
     x, logits, w13, w2, b13, b2, bias = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:6])
     grads = torch.ops.moe_compile.fused_moe_backward(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias,
-                                                     needs, ctx.scalars)
+                                                     needs, ctx.transposed, ctx.scalars)
     return (*[g if need else None for g, need in zip(grads, needs)], None, *[None] * (len(ctx.needs_input_grad) - 7))
 
 
 def _fused_experts_grads(ctx, grad_out):
+    _first_order_only("fused_experts")
     x, weights, ids, w13, w2, b13, b2 = ctx.saved_tensors
     slots = (0, 1, 3, 4, 5, 6)  # every input but topk_ids
     needs = [bool(ctx.needs_input_grad[i]) for i in slots]
     grads = torch.ops.moe_compile.fused_experts_backward(grad_out.contiguous(), x, weights, ids, w13, w2, b13, b2,
-                                                         needs, ctx.scalars)
+                                                         needs, ctx.transposed, ctx.scalars)
     result = [None] * len(ctx.needs_input_grad)
     for slot, g, need in zip(slots, grads, needs):
         result[slot] = g if need else None
     return tuple(result)
 
 
-co.fused_moe_op.register_autograd(_fused_moe_grads, setup_context=_setup)
-co.fused_experts_op.register_autograd(_fused_experts_grads, setup_context=_setup)
+co.fused_moe_op.register_autograd(_fused_moe_grads, setup_context=functools.partial(_setup, w13_at=2))
+co.fused_experts_op.register_autograd(_fused_experts_grads, setup_context=functools.partial(_setup, w13_at=3))
 
-__all__ = ["experts_reference", "fused_experts_backward_op", "fused_moe_backward_op"]
+__all__ = ["experts_backward", "fused_experts_backward_op", "fused_moe_backward_op"]

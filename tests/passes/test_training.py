@@ -53,13 +53,13 @@ def _assert_grads_match(got: dict, want: dict, tol: float) -> None:
 @pytest.fixture
 def backward_calls(monkeypatch):
     calls = []
-    real = ag.experts_reference
+    real = ag.experts_backward
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ag, "experts_reference", counted)
+    monkeypatch.setattr(ag, "experts_backward", counted)
     return calls
 
 
