@@ -81,14 +81,19 @@ def logits_of(out):
     return out.logits if hasattr(out, "logits") else out[0]
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The options ``make_model`` reads (the MoE dimensions; ``--device`` and ``--dtype`` are each script's)."""
     parser.add_argument("--model", choices=["qwen3", "mixtral"], default="qwen3")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--inter", type=int, default=256)
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
     parser.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["decode", "prefill"])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--device", default="cpu")

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
 
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
-from benchmarks.bench_export import make_model  # noqa: E402
+from benchmarks.bench_export import add_model_args, make_model  # noqa: E402
 
 MODES = ("eager", "inductor", "moe_npu")
 
@@ -68,12 +68,7 @@ def saved_bytes(model, fn, batch: dict) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["qwen3", "mixtral"], default="qwen3")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--inter", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
+    add_model_args(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
