@@ -3,15 +3,15 @@
 The forward stays the lowering's kernels. The backward is one opaque op per fused op,
 ``moe_compile::fused_moe_backward`` / ``fused_experts_backward``: the routing is recomputed under autograd
 (``select_experts``), the experts' backward is written out (``experts_backward``: the pairs sorted by expert,
-each expert hit recomputing its first GEMM and running its four backward GEMMs, the activation's
-derivative taken by autograd on that expert's first-GEMM output alone), and autograd carries the routing
-weights' gradient back to the router logits. So:
+each expert hit recomputing its first GEMM and running four backward GEMMs), and autograd carries the routing
+weights' gradient back to the router logits. The scalars travel as ``pack_calls`` packs them (``ops/packed.py``),
+decoded once per distinct string. So:
 
 - the gradients are those of the op's documented semantics, for every routing method, activation and bias;
 - the forward saves only the op's inputs (the block input, router logits and weights): no activations are
   held between forward and backward, as activation checkpointing would hold none; the price is the experts'
   first GEMM and activation again inside the backward;
-- the backward reads the expert counts on the host (a sort and one GEMM pair per expert hit), so it is not
+- the backward reads the expert counts on the host (a sort and a Python loop over the experts hit), so it is not
   CUDA-graph capturable: the backward ops carry ``torch.Tag.cudagraph_unsafe``, which Inductor's CUDA graphs
   keep out (a partition of their own, or no graph for that backward); the forward still is capturable.
 
@@ -27,20 +27,14 @@ from typing import Optional
 import torch
 
 from moe_compile.ops import custom_op as co
+from moe_compile.ops.packed import FUSED_EXPERTS_SCALARS, FUSED_MOE_SCALARS, TENSORS, unpack
 from moe_compile.ops.activation import apply_activation, split_gate_up
 from moe_compile.ops.config import Activation, ExpertsConfig, MoEConfig
 from moe_compile.ops.registration import op
 from moe_compile.ops.routing import select_experts
 
-TENSORS = 7
 # the backward reads expert counts on the host: Inductor keeps it out of CUDA graphs (a partition or no graph)
 _HOST_SYNC = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-
-
-def _zeros(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous zeros shaped like ``t`` (the fake kernels promise contiguous gradients; ``zeros_like`` would
-    copy a permuted weight's strides)."""
-    return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
 
 
 def _activation_with_backward(h: torch.Tensor, cfg: ExpertsConfig):
@@ -89,8 +83,8 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
 
     The ``T*k`` pairs are sorted by expert; each expert hit recomputes its first GEMM and the activation and runs
     four backward GEMMs, writing its weight gradients in place (the pair weights' gradient ``<g, y>`` is read as
-    ``<g @ w2^T, act>``, so the second GEMM is not recomputed); the activation's derivative comes from autograd on
-    the ``[n, 2I]`` first-GEMM output alone, so every activation is covered."""
+    ``<g @ w2^T, act>``, so the second GEMM is not recomputed); the activation's derivative is written out for
+    SiLU-gated experts and taken by autograd on the ``[n, 2I]`` first-GEMM output for the others."""
     need_x, need_w, need_w13, need_w2, need_b13, need_b2 = needs
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[-1]
@@ -155,7 +149,7 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
         grad_pair = (grad_in.float() * rows.float()).sum(-1)
     if need_x:
         grad_rows_in = grad_in * pair_w.to(grad_in.dtype) if on_input else grad_in
-        dx = _zeros(x_TH).index_add_(0, token, grad_rows_in)
+        dx = _grad_buffer(x_TH, False).zero_().index_add_(0, token, grad_rows_in)  # contiguous, as the fake
     if need_w:
         dw = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device).index_copy_(0, order, grad_pair)
         dw = dw.reshape(weights_TK.shape).to(weights_TK.dtype)
@@ -182,9 +176,10 @@ def fused_moe_backward_op(
     e_score_correction_bias: Optional[torch.Tensor], needs: list[bool], transposed: list[bool], scalars: str,
 ) -> list[torch.Tensor]:
     """Gradients of ``moe_compile::fused_moe`` for (hidden_states, router_logits, w13_weight, w2_weight,
-    w13_bias, w2_bias): each where ``needs`` says so, else an empty tensor. ``scalars``: the op's 21
-    scalar arguments as a JSON list."""
-    values = json.loads(scalars)
+    w13_bias, w2_bias): each where ``needs`` says so, else an empty tensor. ``transposed``: w13 / w2 are read
+    through a permute of an [E, N, K] parameter (their gradients are laid out so). ``scalars``: the op's 21
+    scalar arguments as a JSON list (``packed.unpack``)."""
+    values = unpack(scalars, FUSED_MOE_SCALARS)
     cfg = co.make_config(*values[:10], e_score_correction_bias is not None, *values[10:])
     _check_single_device(cfg, "fused_moe_backward")
     hidden = hidden_states.shape[-1]
@@ -216,7 +211,7 @@ def fused_experts_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients of ``moe_compile::fused_experts`` for (hidden_states, topk_weights, w13_weight, w2_weight,
     w13_bias, w2_bias), as ``fused_moe_backward`` gives them; ``topk_ids`` has none."""
-    values = json.loads(scalars)
+    values = unpack(scalars, FUSED_EXPERTS_SCALARS)
     cfg = co.make_config(values[0], topk_ids.shape[-1], *co._ROUTING_DONE.values(), *values[1:])
     _check_single_device(cfg, "fused_experts_backward")
     hidden, top_k = hidden_states.shape[-1], topk_ids.shape[-1]

@@ -205,3 +205,13 @@ def test_the_load_balancing_loss_trains_through_the_rewritten_blocks():
     assert any("load-balancing" in why for _, why in report.other_topk), str(report)
     assert got_loss == pytest.approx(loss, rel=1e-5) and got_aux == pytest.approx(aux, rel=1e-5)
     _assert_grads_match(grads, ref_grads, TOL[torch.float32])
+
+
+def test_bad_training_arguments_are_refused_by_name():
+    model, kwargs = build_block_model("gptfast", num_layers=1)
+    # Dynamo wraps the backend's TypeError; the message is the option's
+    wrapped = torch._dynamo.exc.BackendCompilerFailed
+    with pytest.raises(wrapped, match=r"options\['training'\] must be a bool, but got 'yes'"):
+        moe_compile.explain(model, options={"training": "yes"}, **kwargs)
+    with pytest.raises(TypeError, match="explain: training must be a bool, but got 1"):
+        moe_compile.explain(model, training=1, **kwargs)
