@@ -8,12 +8,14 @@ For each mode: the first step's time (the compile), the median step time (``benc
 each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
 for backward, parameters not counted, each storage once; ``torch.autograd.graph.saved_tensors_hooks``), and the
 largest difference of the loss and of every parameter's gradient from eager (relative to its largest entry).
-``moe_npu``'s backward recomputes each rewritten block in plain torch (``moe_compile/ops/autograd.py``), so it
-saves only the blocks' inputs. Prints a table; writes ``train.json`` under ``--out``.
+``moe_npu``'s backward recomputes each rewritten block (``moe_compile/ops/autograd.py``; grouped GEMMs where
+``torch._grouped_mm`` takes them, ``--modes ... moe_npu_loop`` for the per-expert loop instead), so it saves only
+the blocks' inputs. Prints a table; writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -27,7 +29,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
 from benchmarks.bench_export import add_model_args, make_model  # noqa: E402
 
-MODES = ("eager", "inductor", "moe_npu")
+MODES = ("eager", "inductor", "moe_npu", "moe_npu_loop")
+
+
+@contextlib.contextmanager
+def backward_path(mode: str):
+    """``moe_npu_loop``: the fused ops' backward loops over the experts (``ops/autograd._looped_backward``) where it
+    would run grouped GEMMs (``ops/experts_grad.py``), to compare the two in one run."""
+    if mode != "moe_npu_loop":
+        yield
+        return
+    from moe_compile.ops import experts_grad
+
+    real = experts_grad.usable
+    experts_grad.usable = lambda *a: False
+    try:
+        yield
+    finally:
+        experts_grad.usable = real
 
 
 def compiled(mode: str, model, inner: str = "inductor"):
@@ -40,12 +59,14 @@ def compiled(mode: str, model, inner: str = "inductor"):
     return torch.compile(model, backend="moe_npu", dynamic=False, options={"inner_compiler": inner})
 
 
-def step(model, fn, batch: dict) -> tuple[float, dict]:
+def step(model, fn, batch: dict, mode: str = "eager") -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
-    logits = fn(input_ids=batch["input_ids"]).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    with backward_path(mode):
+        logits = fn(input_ids=batch["input_ids"]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
+        loss.backward()
+        value = loss.item()
+    return value, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
 def saved_bytes(model, fn, batch: dict) -> int:
@@ -71,7 +92,8 @@ def main(argv=None) -> int:
     add_model_args(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]),
+                        help="moe_npu_loop: moe_npu with the experts' backward as a loop over the experts")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=10)
@@ -94,17 +116,21 @@ def main(argv=None) -> int:
     for mode in args.modes:
         fns[mode] = compiled(mode, model, args.inner)
         start = time.perf_counter()
-        loss, grads = step(model, fns[mode], first)
+        loss, grads = step(model, fns[mode], first, mode)
         worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in ref_grads.items())
-        rows[mode] = dict(mode=mode, first_step_s=time.perf_counter() - start, loss_diff=abs(loss - ref_loss),
-                          grad_rel_diff=worst, saved_mb=saved_bytes(model, fns[mode], first) / 2**20)
+        first_s = time.perf_counter() - start
+        with backward_path(mode):
+            saved = saved_bytes(model, fns[mode], first)
+        rows[mode] = dict(mode=mode, first_step_s=first_s, loss_diff=abs(loss - ref_loss), grad_rel_diff=worst,
+                          saved_mb=saved / 2**20)
     batches = [batch() for _ in range(4)]
-    ms = interleaved_ms({mode: (lambda b, fn=fn: step(model, fn, b)) for mode, fn in fns.items()}, batches, args.reps)
-    print("%-9s %9s %8s %13s %9s %10s %13s" % ("mode", "step ms", "x eager", "first step s", "saved MB", "loss diff",
+    ms = interleaved_ms({mode: (lambda b, fn=fn, mode=mode: step(model, fn, b, mode)) for mode, fn in fns.items()},
+                        batches, args.reps)
+    print("%-12s %9s %8s %13s %9s %10s %13s" % ("mode", "step ms", "x eager", "first step s", "saved MB", "loss diff",
                                                "grad rel diff"))
     for mode, row in rows.items():
         row["ms"] = ms[mode]
-        print("%-9s %9.1f %8.2f %13.1f %9.1f %10.1e %13.1e" % (mode, row["ms"], ms["eager"] / row["ms"]
+        print("%-12s %9.1f %8.2f %13.1f %9.1f %10.1e %13.1e" % (mode, row["ms"], ms["eager"] / row["ms"]
                                                                if "eager" in ms else float("nan"), row["first_step_s"],
                                                                row["saved_mb"], row["loss_diff"], row["grad_rel_diff"]))
     if args.out:

@@ -11,9 +11,11 @@ decoded once per distinct string. So:
 - the forward saves only the op's inputs (the block input, router logits and weights): no activations are
   held between forward and backward, as activation checkpointing would hold none; the price is the experts'
   first GEMM and activation again inside the backward;
-- the backward reads the expert counts on the host (a sort and a Python loop over the experts hit), so it is not
-  CUDA-graph capturable: the backward ops carry ``torch.Tag.cudagraph_unsafe``, which Inductor's CUDA graphs
-  keep out (a partition of their own, or no graph for that backward); the forward still is capturable.
+- the experts' GEMMs are grouped GEMMs (``torch._grouped_mm``, ``ops/experts_grad.py``) where torch runs them
+  without a host sync (CUDA bf16 on sm90+, the CPU); elsewhere (CUDA fp32/fp16, unaligned sizes) a Python loop
+  over the experts hit, which reads the expert counts on the host. So the backward ops carry
+  ``torch.Tag.cudagraph_unsafe``, which Inductor's CUDA graphs keep out (a partition of their own, or no graph for
+  that backward); the forward still is capturable.
 
 The selection itself (``topk_ids``) has no gradient; the selection bias (``e_score_correction_bias``) gets
 none, as in the models. Expert- and tensor-parallel groups are refused in the backward.
@@ -27,6 +29,7 @@ from typing import Optional
 import torch
 
 from moe_compile.ops import custom_op as co
+from moe_compile.ops import experts_grad
 from moe_compile.ops.packed import FUSED_EXPERTS_SCALARS, FUSED_MOE_SCALARS, TENSORS, unpack
 from moe_compile.ops.activation import apply_activation, split_gate_up
 from moe_compile.ops.config import Activation, ExpertsConfig, MoEConfig
@@ -82,23 +85,51 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
     (x, weights, w13, w2, b13, b2), each where ``needs`` says so (else None).
 
     The ``T*k`` pairs are sorted by expert; each expert hit recomputes its first GEMM and the activation and runs
-    four backward GEMMs, writing its weight gradients in place (the pair weights' gradient ``<g, y>`` is read as
-    ``<g @ w2^T, act>``, so the second GEMM is not recomputed); the activation's derivative is written out for
-    SiLU-gated experts and taken by autograd on the ``[n, 2I]`` first-GEMM output for the others."""
+    four backward GEMMs (as five grouped GEMMs, ``experts_grad.grouped_backward``, where ``torch._grouped_mm``
+    takes the operands; else a loop over the experts hit, ``_looped_backward``). The pair weights' gradient
+    ``<g, y>`` is read as ``<g @ w2^T, act>``, so the second GEMM is not recomputed; the activation's derivative is
+    written out for SiLU-gated experts and taken by autograd on the ``[n, 2I]`` first-GEMM output for the others."""
     need_x, need_w, need_w13, need_w2, need_b13, need_b2 = needs
     num_tokens, hidden = x_TH.shape
     top_k = ids_TK.shape[-1]
     flat = ids_TK.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
     token = order // top_k
     rows = x_TH.index_select(0, token)
     pair_w = weights_TK.reshape(-1).index_select(0, order).unsqueeze(-1)
     grad_rows = grad_TH.index_select(0, token)
     on_input = cfg.apply_router_weight_on_input
     x_in = rows * pair_w.to(rows.dtype) if on_input else rows
-    grad_in = torch.empty_like(rows) if need_x or (need_w and on_input) else None
-    grad_pair = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device) if need_w else None
+    need_in = need_x or (need_w and on_input)
+    inner = [need_in, need_w and not on_input, need_w13, need_w2, need_b13, need_b2]
+    if experts_grad.usable(x_TH, w13, w2):
+        grad_in, grad_pair, d13, d2, db13, db2 = experts_grad.grouped_backward(
+            flat.index_select(0, order), x_in, grad_rows, pair_w, w13, w2, b13, b2,
+            functools.partial(_activation_with_backward, cfg=cfg), on_input, inner, transposed)
+    else:
+        counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+        grad_in, grad_pair, d13, d2, db13, db2 = _looped_backward(counts, x_in, grad_rows, pair_w, w13, w2, b13, b2,
+                                                                  cfg, on_input, inner, transposed)
+    dx = dw = None
+    if on_input and need_w:
+        grad_pair = (grad_in.float() * rows.float()).sum(-1)
+    if need_x:
+        grad_rows_in = grad_in * pair_w.to(grad_in.dtype) if on_input else grad_in
+        dx = _grad_buffer(x_TH, False).zero_().index_add_(0, token, grad_rows_in)  # contiguous, as the fake
+    if need_w:
+        dw = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device).index_copy_(0, order, grad_pair)
+        dw = dw.reshape(weights_TK.shape).to(weights_TK.dtype)
+    return [dx, dw, d13, d2, db13, db2]
+
+
+def _looped_backward(counts: list[int], x_in: torch.Tensor, grad_rows: torch.Tensor, pair_w: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                     cfg: ExpertsConfig, on_input: bool, needs: list[bool], transposed: tuple) -> tuple:
+    """``experts_grad.grouped_backward``'s results by a loop over the experts hit (``counts`` read on the host):
+    for operands ``torch._grouped_mm`` does not take."""
+    need_in, need_pair, need_w13, need_w2, need_b13, need_b2 = needs
+    grad_in = torch.empty_like(x_in) if need_in else None
+    grad_pair = torch.zeros(x_in.shape[0], dtype=torch.float32, device=x_in.device) if need_pair else None
     # written per expert hit; the experts nobody picked are zeroed after the loop (not the whole tensor first).
     # ``transposed``: w13 / w2 are read through a permute of a parameter stored [E, N, K] (HF): their gradients
     # are laid out so, and the parameter's own gradient is dense, which autograd accumulates without a copy
@@ -124,7 +155,7 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
         else:
             we = pair_w[rows_e].to(ge.dtype)
             dy, da = ge * we, ga * we
-            if need_w:  # <g, act @ w2 + b2> without the second GEMM again: <g @ w2^T, act> + <g, b2>
+            if need_pair:  # <g, act @ w2 + b2> without the second GEMM again: <g @ w2^T, act> + <g, b2>
                 dot = (ga.float() * act.float()).sum(-1)
                 grad_pair[rows_e] = dot if b2 is None else dot + ge.float() @ b2[expert].float()
         if d2 is not None:
@@ -144,16 +175,7 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
         for grad in (d13, d2, db13, db2):
             if grad is not None:
                 grad.index_fill_(0, idle, 0)
-    dx = dw = None
-    if on_input and need_w:
-        grad_pair = (grad_in.float() * rows.float()).sum(-1)
-    if need_x:
-        grad_rows_in = grad_in * pair_w.to(grad_in.dtype) if on_input else grad_in
-        dx = _grad_buffer(x_TH, False).zero_().index_add_(0, token, grad_rows_in)  # contiguous, as the fake
-    if need_w:
-        dw = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device).index_copy_(0, order, grad_pair)
-        dw = dw.reshape(weights_TK.shape).to(weights_TK.dtype)
-    return [dx, dw, d13, d2, db13, db2]
+    return grad_in, grad_pair, d13, d2, db13, db2
 
 
 def _check_single_device(cfg: MoEConfig, name: str) -> None:

@@ -21,6 +21,20 @@ from moe_compile.ops.routing import select_experts
 T, H, I, E = 9, 16, 8, 6
 
 
+@pytest.fixture(params=["grouped", "loop"])
+def path(request, monkeypatch):
+    """Runs a test through each experts backward: the grouped GEMMs (``experts_grad``) and the per-expert loop;
+    fails if the grouped one was meant to run and did not."""
+    calls = []
+    if request.param == "loop":
+        monkeypatch.setattr(ag.experts_grad, "usable", lambda *a: False)
+    else:
+        real = ag.experts_grad.grouped_backward
+        monkeypatch.setattr(ag.experts_grad, "grouped_backward", lambda *a: calls.append(1) or real(*a))
+    yield request.param
+    assert bool(calls) == (request.param == "grouped")
+
+
 def _act(h, activation, interleaved, alpha=1.702, limit=7.0):
     if activation.endswith("_no_mul"):
         return {"silu_no_mul": F.silu, "gelu_no_mul": F.gelu, "relu2_no_mul": lambda v: F.relu(v) ** 2}[activation](h)
@@ -107,7 +121,7 @@ CASES = [(r, a) for r in ROUTINGS for a in ACTIVATIONS if r != "llama4" or a == 
 
 
 @pytest.mark.parametrize("routing,act", CASES, ids=["%s-%s%s" % (r, a[0], "-interleaved" * a[1]) for r, a in CASES])
-def test_fused_moe_gradients_match_the_dense_reference(routing, act):
+def test_fused_moe_gradients_match_the_dense_reference(routing, act, path):
     out, ref, inputs = _fused_moe_case(routing, act, torch.float32)
     _check(out, ref, torch.float32, "forward")
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
@@ -118,7 +132,7 @@ def test_fused_moe_gradients_match_the_dense_reference(routing, act):
         _check(a, b, torch.float32, name)
 
 
-def test_bf16_gradients_within_bf16_tolerance():
+def test_bf16_gradients_within_bf16_tolerance(path):
     out, ref, inputs = _fused_moe_case("softmax_renorm", ACTIVATIONS[0], torch.bfloat16)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for a, b in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(ref.float(), inputs, g.float())):
@@ -126,7 +140,7 @@ def test_bf16_gradients_within_bf16_tolerance():
         _check(a, b, torch.bfloat16, "bf16")
 
 
-def test_fused_experts_gradients_reach_the_routing_weights():
+def test_fused_experts_gradients_reach_the_routing_weights(path):
     x, logits, w13, w2, _, _ = _tensors(torch.float32, "silu", False, seed=1)
     weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)
     out = torch.ops.moe_compile.fused_experts(x, weights, ids.int(), w13, w2, None, None, E, "silu", 1.702, 7.0,
@@ -165,7 +179,7 @@ def test_the_backward_refuses_parallel_groups_by_name():
                                                  [True] * 6, [False, False], json.dumps(scalars))
 
 
-def test_experts_nobody_picked_get_zero_gradient():
+def test_experts_nobody_picked_get_zero_gradient(path):
     x, logits, w13, w2, _, _ = _tensors(torch.float32, "silu", False)
     logits = logits.detach().clone()
     logits[:, 4:] = -30.0  # experts 4 and 5 never picked
@@ -181,7 +195,7 @@ def test_the_backward_ops_are_kept_out_of_cuda_graphs():
     assert torch.Tag.cudagraph_unsafe not in torch.ops.moe_compile.fused_moe.default.tags
 
 
-def test_gradients_are_laid_out_as_the_fake_says_for_permuted_weights():
+def test_gradients_are_laid_out_as_the_fake_says_for_permuted_weights(path):
     """HF stores gate_up_proj as [E, 2I, H]; the op reads a permuted view. Inductor holds the op's outputs to the
     fake kernel's strides: the activations' gradients contiguous, the weights' laid out as the weights (so the
     parameter's own gradient is dense and autograd accumulates it without a copy)."""
@@ -213,3 +227,72 @@ def test_double_backward_is_refused_by_name():
     out = moe_compile.fused_moe(x, logits, E, 2, w13, w2)
     with pytest.raises(NotImplementedError, match="double backward through moe_compile::fused_moe"):
         torch.autograd.grad(out.sum(), [x], create_graph=True)
+
+
+def test_sizes_grouped_gemms_cannot_take_loop_over_the_experts(monkeypatch):
+    """fp32 rows of 6 elements are 24 bytes, not a multiple of 16: ``torch._grouped_mm`` refuses them, so the
+    backward loops over the experts, with the same gradients."""
+    assert ag.experts_grad.usable(torch.ones(4, 16), torch.ones(E, 16, 16), torch.ones(E, 8, 16))
+    assert not ag.experts_grad.usable(torch.ones(4, 6), torch.ones(E, 6, 16), torch.ones(E, 8, 6))
+    assert not ag.experts_grad.usable(torch.ones(4, 16), torch.ones(E, 16, 16).double(), torch.ones(E, 8, 16))
+    monkeypatch.setattr(ag.experts_grad, "grouped_backward", None)  # would fail if called
+    gen = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(T, 6, generator=gen, requires_grad=True), torch.randn(T, E, generator=gen)
+    w13 = (torch.randn(E, 6, 16, generator=gen) * 0.4).requires_grad_()
+    w2 = (torch.randn(E, 8, 6, generator=gen) * 0.3).requires_grad_()
+    out = moe_compile.fused_moe(x, logits, E, 2, w13, w2, renormalize=True)
+    weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)
+    ref = _dense(x, weights / weights.sum(-1, keepdim=True), ids, w13, w2, None, None, "silu")
+    for name, a, b in zip(["x", "w13", "w2"], torch.autograd.grad(out.sum(), [x, w13, w2]),
+                          torch.autograd.grad(ref.sum(), [x, w13, w2])):
+        _check(a, b, torch.float32, name)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                         reason="needs a CUDA GPU of sm90 or later (torch._grouped_mm's sync-free bf16 path)")
+
+
+@gpu
+def test_cuda_bf16_backward_is_grouped_sync_free_and_zeroes_unpicked_experts(monkeypatch):
+    """On the GPU: the grouped GEMMs run, nothing is read on the host (sync debug mode 'error'), the gradients
+    match the dense fp32 reference within bf16's tolerance, and experts nobody picked get exact zeros even when
+    the allocator hands out memory full of NaNs."""
+    tokens, hidden, inter, experts = 64, 256, 128, 16
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(tokens, hidden, generator=gen)
+    logits = torch.randn(tokens, experts, generator=gen)
+    logits[:, 12:] = -30.0  # experts 12-15 never picked
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5  # HF's layout, read permuted
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    cpu = [t.clone().requires_grad_() for t in (x, logits, w13, w2)]
+    dev = [t.to("cuda", torch.bfloat16 if i != 1 else torch.float32).requires_grad_() for i, t in enumerate(cpu)]
+    calls = []
+    real = ag.experts_grad.grouped_backward
+    monkeypatch.setattr(ag.experts_grad, "grouped_backward", lambda *a: calls.append(1) or real(*a))
+    g = torch.randn(tokens, hidden, generator=gen)
+
+    def grads(t, gout):
+        out = moe_compile.fused_moe(t[0], t[1], experts, 2, t[2].transpose(1, 2), t[3].transpose(1, 2),
+                                    renormalize=True)
+        return torch.autograd.grad(out, t, gout)
+
+    grads(dev, g.to("cuda", torch.bfloat16))  # compile the forward's kernels
+    torch.empty(1 << 26, device="cuda").fill_(float("nan"))  # freed: the next allocations reuse NaN-filled memory
+    out = moe_compile.fused_moe(dev[0], dev[1], experts, 2, dev[2].transpose(1, 2), dev[3].transpose(1, 2),
+                                renormalize=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = torch.autograd.grad(out, dev, g.to("cuda", torch.bfloat16))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert calls
+    weights, ids = torch.softmax(cpu[1], -1).topk(2, dim=-1)
+    ref = _dense(cpu[0], weights / weights.sum(-1, keepdim=True), ids, cpu[2].transpose(1, 2),
+                 cpu[3].transpose(1, 2), None, None, "silu")
+    want = torch.autograd.grad(ref, cpu, g)
+    for name, a, b in zip(["x", "logits", "w13", "w2"], got, want):
+        assert torch.isfinite(a).all(), name
+        _check(a.cpu(), b, torch.bfloat16, name)
+    assert torch.count_nonzero(got[2][12:]) == 0 and torch.count_nonzero(got[3][12:]) == 0
+    assert got[2].is_contiguous() and got[3].is_contiguous()  # the parameters' own layout
