@@ -87,6 +87,19 @@ def saved_bytes(model, fn, batch: dict) -> int:
     return sum(seen.values())
 
 
+def profile_table(run, batches: list, rows: int) -> str:
+    """torch.profiler's table of the ``rows`` ops of most device (else host) time over 3 calls of ``run``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for b in batches[:3]:
+            run(b)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -99,6 +112,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--inner", default="inductor", choices=["inductor", "aot_eager"],
                         help="moe_npu's inner compiler (aot_eager: quick, for tests)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, profile 3 steps of each mode and print its N kernels of most device time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -133,6 +148,9 @@ def main(argv=None) -> int:
         print("%-12s %9.1f %8.2f %13.1f %9.1f %10.1e %13.1e" % (mode, row["ms"], ms["eager"] / row["ms"]
                                                                if "eager" in ms else float("nan"), row["first_step_s"],
                                                                row["saved_mb"], row["loss_diff"], row["grad_rel_diff"]))
+    for mode, fn in fns.items() if args.profile else ():
+        print(f"\n{mode}: the {args.profile} kernels of most device time over 3 steps")
+        print(profile_table(lambda b, fn=fn, mode=mode: step(model, fn, b, mode), batches, args.profile))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         text = json.dumps(dict(args=vars(args), rows=list(rows.values())), indent=1)

@@ -270,20 +270,21 @@ def test_cuda_bf16_backward_is_grouped_sync_free_and_zeroes_unpicked_experts(mon
     real = ag.experts_grad.grouped_backward
     monkeypatch.setattr(ag.experts_grad, "grouped_backward", lambda *a: calls.append(1) or real(*a))
     g = torch.randn(tokens, hidden, generator=gen)
+    g_dev = g.to("cuda", torch.bfloat16)  # a copy from pageable host memory syncs: made before the check
 
     def grads(t, gout):
         out = moe_compile.fused_moe(t[0], t[1], experts, 2, t[2].transpose(1, 2), t[3].transpose(1, 2),
                                     renormalize=True)
         return torch.autograd.grad(out, t, gout)
 
-    grads(dev, g.to("cuda", torch.bfloat16))  # compile the forward's kernels
+    grads(dev, g_dev)  # compile the forward's kernels
     torch.empty(1 << 26, device="cuda").fill_(float("nan"))  # freed: the next allocations reuse NaN-filled memory
     out = moe_compile.fused_moe(dev[0], dev[1], experts, 2, dev[2].transpose(1, 2), dev[3].transpose(1, 2),
                                 renormalize=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        got = torch.autograd.grad(out, dev, g.to("cuda", torch.bfloat16))
+        got = torch.autograd.grad(out, dev, g_dev)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert calls
