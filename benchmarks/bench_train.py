@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
 from benchmarks.bench_export import add_model_args, make_model  # noqa: E402
 
-MODES = ("eager", "inductor", "moe_npu", "moe_npu_loop")
+MODES = ("eager", "inductor", "moe_npu", "moe_npu_opaque", "moe_npu_loop")
 
 
 @contextlib.contextmanager
 def backward_path(mode: str):
-    """``moe_npu_loop``: the fused ops' backward loops over the experts (``ops/autograd._looped_backward``) where it
-    would run grouped GEMMs (``ops/experts_grad.py``), to compare the two in one run."""
+    """``moe_npu_loop``: the opaque backward op (``compiled`` asks for it) loops over the experts instead of running
+    grouped GEMMs, to compare the two in one run."""
     if mode != "moe_npu_loop":
         yield
         return
@@ -56,7 +56,11 @@ def compiled(mode: str, model, inner: str = "inductor"):
         return model
     if mode == "inductor":
         return torch.compile(model, dynamic=False)
-    return torch.compile(model, backend="moe_npu", dynamic=False, options={"inner_compiler": inner})
+    # moe_npu: the backward as ops/autograd.py chooses (bf16: grouped GEMMs traced into the graph); the others: in
+    # the opaque fused_moe_backward op (options differ, so Dynamo compiles them apart)
+    backward = "auto" if mode == "moe_npu" else "op"
+    return torch.compile(model, backend="moe_npu", dynamic=False,
+                         options={"inner_compiler": inner, "training_backward": backward})
 
 
 def step(model, fn, batch: dict, mode: str = "eager") -> tuple[float, dict]:
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES[:3]),
-                        help="moe_npu_loop: moe_npu with the experts' backward as a loop over the experts")
+                        help="moe_npu_opaque / moe_npu_loop: moe_npu with the backward in one opaque op, with grouped "
+                        "GEMMs / a loop over the experts (backward_path)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--reps", type=int, default=10)

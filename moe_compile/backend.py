@@ -160,18 +160,25 @@ def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendC
     aten_gm.recompile()
     _graphs_done(config, before, aten_gm.print_readable(print_output=False))
     training.differentiable(aten_gm)
-    if inner is InnerCompiler.EAGER:
-        return aten_gm.forward
-    if inner is InnerCompiler.INDUCTOR:
-        from torch._inductor import config as inductor_config
+    from moe_compile.ops.autograd import backward_choice
 
-        from moe_compile.compile_cache import package_hash
+    if inner is InnerCompiler.EAGER:  # the fused ops' setup_context reads the choice when the forward runs
+        def forward(*args):
+            with backward_choice(config.training_backward):
+                return aten_gm.forward(*args)
 
-        # a do-nothing custom pass whose uuid puts the package's source in Inductor's cache keys: a graph cached
-        # with another version's ops (their schemas) is not served
-        with inductor_config.patch(post_grad_custom_pre_pass=_InductorHook(lambda graph: None, package_hash())):
-            return _compile_plain(aten_gm, example_inputs, inner, config)
-    return _compile_plain(aten_gm, example_inputs, inner, config)
+        return forward
+    with backward_choice(config.training_backward):  # AOTAutograd traces the backward inside the inner compile
+        if inner is InnerCompiler.INDUCTOR:
+            from torch._inductor import config as inductor_config
+
+            from moe_compile.compile_cache import package_hash
+
+            # a do-nothing custom pass whose uuid puts the package's source in Inductor's cache keys: a graph cached
+            # with another version's ops (their schemas) is not served
+            with inductor_config.patch(post_grad_custom_pre_pass=_InductorHook(lambda graph: None, package_hash())):
+                return _compile_plain(aten_gm, example_inputs, inner, config)
+        return _compile_plain(aten_gm, example_inputs, inner, config)
 
 
 def _hint_cuda_graphs(decisions: list, config: BackendConfig, inner: InnerCompiler, device_type: str) -> None:

@@ -31,6 +31,7 @@ class BackendConfig:
     cpu_decode: bool = True  # CPU + Inductor, fixed few tokens: the experts as gather-GEMVs in the graph
     pack_args: bool = True  # compiled graphs call the fused ops with their scalars packed (ops/packed.py)
     training: bool = True  # graphs that record autograd are rewritten too (training.py, ops/autograd.py)
+    training_backward: str = "auto"  # "auto": traced into the graph where it can be; "op": the opaque backward op
     torchair_mode: TorchairMode = TorchairMode.MAX_AUTOTUNE
     ep_group: Any = field(default=None, compare=False)
     tp_group: Any = field(default=None, compare=False)
@@ -61,6 +62,8 @@ VALID_OPTIONS = {
                  "per call instead of 28); False keeps the plain call",
     "training": "a bool (default True): graphs that record autograd (training) are rewritten too, the fused "
                 "ops' backward recomputing the block in plain torch; False compiles them without the pass",
+    "training_backward": "'auto' (default: the fused ops' backward traced into the graph as grouped GEMMs where "
+                         "torch can trace them, bf16; else one opaque op) or 'op' (always the opaque op)",
     "torchair_mode": "one of %s" % [m.value for m in TorchairMode],
     "ep_group": "a torch.distributed.ProcessGroup",
     "tp_group": "a torch.distributed.ProcessGroup",
@@ -129,6 +132,11 @@ def parse_options(options: dict | None) -> BackendConfig:
     for name in ("ep_group", "tp_group"):
         if name in options:
             kwargs[name] = _group(name, options[name])
+    if "training_backward" in options:
+        if options["training_backward"] not in ("auto", "op"):
+            raise ValueError("options['training_backward'] must be 'auto' or 'op', but got %r"
+                             % (options["training_backward"],))
+        kwargs["training_backward"] = options["training_backward"]
     if "mode" in options:
         if options["mode"] not in COMPILE_MODES:
             raise ValueError("options['mode'] must be one of %s, but got %r" % (list(COMPILE_MODES), options["mode"]))

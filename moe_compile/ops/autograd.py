@@ -22,6 +22,8 @@ none, as in the models. Expert- and tensor-parallel groups are refused in the ba
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 from typing import Optional
@@ -115,7 +117,9 @@ def experts_backward(grad_TH: torch.Tensor, x_TH: torch.Tensor, weights_TK: torc
         grad_pair = (grad_in.float() * rows.float()).sum(-1)
     if need_x:
         grad_rows_in = grad_in * pair_w.to(grad_in.dtype) if on_input else grad_in
-        dx = _grad_buffer(x_TH, False).zero_().index_add_(0, token, grad_rows_in)  # contiguous, as the fake
+        # back to (token, k) order, then each token's k rows summed: no atomics, the same sum on every run
+        per_pair = torch.empty_like(grad_rows_in).index_copy_(0, order, grad_rows_in)
+        dx = per_pair.view(num_tokens, top_k, hidden).sum(1)  # contiguous, as the fake
     if need_w:
         dw = torch.zeros(flat.shape[0], dtype=torch.float32, device=flat.device).index_copy_(0, order, grad_pair)
         dw = dw.reshape(weights_TK.shape).to(weights_TK.dtype)
@@ -191,6 +195,37 @@ def _filled(grads: list, grad_out: torch.Tensor) -> list[torch.Tensor]:
     return [grad_out.new_empty(0) if g is None else g for g in grads]
 
 
+def _moe_config(scalars: str, has_bias: bool) -> MoEConfig:
+    values = unpack(scalars, FUSED_MOE_SCALARS)
+    return co.make_config(*values[:10], has_bias, *values[10:])
+
+
+def _routing_grad(grad_weights: torch.Tensor, router_logits: torch.Tensor, bias: Optional[torch.Tensor],
+                  cfg: MoEConfig) -> torch.Tensor:
+    """The router logits' gradient from the routing weights' (``[T*, top_k]``), by autograd through the
+    recomputed ``select_experts``."""
+    with torch.enable_grad():
+        logits = router_logits.detach().requires_grad_()
+        weights, _ = select_experts(logits.reshape(-1, cfg.routing.num_experts), cfg.routing, bias)
+    return torch.autograd.grad(weights, logits, grad_weights.reshape(weights.shape))[0].contiguous()
+
+
+def _moe_grads(grad_out, hidden_states, router_logits, w13, w2, b13, b2, bias, needs, transposed, scalars,
+               routing_grad) -> list[Optional[torch.Tensor]]:
+    """``fused_moe``'s gradients (None where ``needs`` says no); ``routing_grad(grad_weights, logits, bias, cfg)``
+    gives the logits' gradient from the routing weights'."""
+    cfg = _moe_config(scalars, bias is not None)
+    _check_single_device(cfg, "fused_moe_backward")
+    hidden = hidden_states.shape[-1]
+    with torch.no_grad():
+        weights, ids = select_experts(router_logits.reshape(-1, cfg.routing.num_experts), cfg.routing, bias)
+    grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden), weights, ids, w13, w2,
+                             b13, b2, cfg.experts, list(needs), tuple(transposed))
+    dx, dweights = grads[0], grads[1]
+    dlogits = routing_grad(dweights, router_logits, bias, cfg) if needs[1] else None
+    return [None if dx is None else dx.reshape(hidden_states.shape), dlogits, *grads[2:]]
+
+
 @op("moe_compile::fused_moe_backward", tags=_HOST_SYNC)
 def fused_moe_backward_op(
     grad_out: torch.Tensor, hidden_states: torch.Tensor, router_logits: torch.Tensor, w13_weight: torch.Tensor,
@@ -201,21 +236,22 @@ def fused_moe_backward_op(
     w13_bias, w2_bias): each where ``needs`` says so, else an empty tensor. ``transposed``: w13 / w2 are read
     through a permute of an [E, N, K] parameter (their gradients are laid out so). ``scalars``: the op's 21
     scalar arguments as a JSON list (``packed.unpack``)."""
-    values = unpack(scalars, FUSED_MOE_SCALARS)
-    cfg = co.make_config(*values[:10], e_score_correction_bias is not None, *values[10:])
-    _check_single_device(cfg, "fused_moe_backward")
-    hidden = hidden_states.shape[-1]
-    need_x, need_logits, *need_rest = needs
-    with torch.enable_grad():
-        logits = router_logits.detach().requires_grad_(need_logits)
-        weights, ids = select_experts(logits.reshape(-1, cfg.routing.num_experts), cfg.routing,
-                                      e_score_correction_bias)
-    grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden), weights.detach(), ids,
-                             w13_weight, w2_weight, w13_bias, w2_bias, cfg.experts, [need_x, need_logits, *need_rest],
-                             tuple(transposed))
-    dx, dweights = grads[0], grads[1]
-    dlogits = torch.autograd.grad(weights, logits, dweights)[0].contiguous() if need_logits else None
-    return _filled([None if dx is None else dx.reshape(hidden_states.shape), dlogits, *grads[2:]], grad_out)
+    return _filled(_moe_grads(grad_out, hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias,
+                              e_score_correction_bias, needs, transposed, scalars, _routing_grad), grad_out)
+
+
+@op("moe_compile::routing_backward")
+def routing_backward_op(grad_weights: torch.Tensor, router_logits: torch.Tensor,
+                        e_score_correction_bias: Optional[torch.Tensor], scalars: str) -> torch.Tensor:
+    """The router logits' gradient from the routing weights' (``[T*, top_k]``) under ``fused_moe``'s routing
+    (``scalars`` as ``fused_moe_backward`` takes them): the one opaque step of a backward traced into the graph."""
+    cfg = _moe_config(scalars, e_score_correction_bias is not None)
+    return _routing_grad(grad_weights, router_logits, e_score_correction_bias, cfg)
+
+
+@routing_backward_op.register_fake
+def _routing_backward_fake(grad_weights, router_logits, e_score_correction_bias, scalars):
+    return torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
 
 
 @fused_moe_backward_op.register_fake
@@ -233,16 +269,23 @@ def fused_experts_backward_op(
 ) -> list[torch.Tensor]:
     """Gradients of ``moe_compile::fused_experts`` for (hidden_states, topk_weights, w13_weight, w2_weight,
     w13_bias, w2_bias), as ``fused_moe_backward`` gives them; ``topk_ids`` has none."""
+    return _filled(_experts_grads(grad_out, hidden_states, topk_weights, topk_ids, w13_weight, w2_weight, w13_bias,
+                                  w2_bias, needs, transposed, scalars), grad_out)
+
+
+def _experts_grads(grad_out, hidden_states, topk_weights, topk_ids, w13, w2, b13, b2, needs, transposed,
+                   scalars) -> list[Optional[torch.Tensor]]:
+    """``fused_experts``' gradients (None where ``needs`` says no)."""
     values = unpack(scalars, FUSED_EXPERTS_SCALARS)
     cfg = co.make_config(values[0], topk_ids.shape[-1], *co._ROUTING_DONE.values(), *values[1:])
     _check_single_device(cfg, "fused_experts_backward")
     hidden, top_k = hidden_states.shape[-1], topk_ids.shape[-1]
     grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden),
-                             topk_weights.reshape(-1, top_k), topk_ids.reshape(-1, top_k), w13_weight, w2_weight,
-                             w13_bias, w2_bias, cfg.experts, list(needs), tuple(transposed))
+                             topk_weights.reshape(-1, top_k), topk_ids.reshape(-1, top_k), w13, w2, b13, b2,
+                             cfg.experts, list(needs), tuple(transposed))
     dx, dw = grads[0], grads[1]
-    return _filled([None if dx is None else dx.reshape(hidden_states.shape),
-                    None if dw is None else dw.reshape(topk_weights.shape), *grads[2:]], grad_out)
+    return [None if dx is None else dx.reshape(hidden_states.shape),
+            None if dw is None else dw.reshape(topk_weights.shape), *grads[2:]]
 
 
 @fused_experts_backward_op.register_fake
@@ -270,6 +313,7 @@ def _setup(ctx, inputs, output, *, w13_at: int) -> None:
     ctx.scalars = _scalars(inputs)
     # read when the forward is traced (or runs eagerly): the graph's own layout, a constant of the backward's call
     ctx.transposed = [transposed_layout(inputs[w13_at]), transposed_layout(inputs[w13_at + 1])]
+    ctx.in_graph = backward_in_graph(inputs[0], inputs[w13_at], inputs[w13_at + 1])
 
 
 def _first_order_only(name: str) -> None:
@@ -278,12 +322,42 @@ def _first_order_only(name: str) -> None:
                                   f"has no backward): take the gradient without create_graph=True")
 
 
+_CHOICE = contextvars.ContextVar("moe_compile_training_backward", default="auto")
+
+
+@contextlib.contextmanager
+def backward_choice(choice: str):
+    """Within: ``backward_in_graph`` answers for ``options['training_backward']`` = ``choice`` ('auto' / 'op')."""
+    token = _CHOICE.set(choice)
+    try:
+        yield
+    finally:
+        _CHOICE.reset(token)
+
+
+def backward_in_graph(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether the backward is written into the graph as the grouped GEMMs' aten ops (traced by AOTAutograd, so
+    Inductor fuses the elementwise work around them and no host step runs between them: the backward of a graph
+    with no host sync, CUDA-graph capturable) rather than one opaque ``*_backward`` op: where the grouped GEMMs
+    take the operands (``experts_grad.usable``) and torch's fake kernel of them takes the dtype (bf16), so the
+    graph can be traced; otherwise the opaque op runs the same math, or the loop. Never under
+    ``backward_choice('op')``. Asked when the forward is traced or run (``_setup``)."""
+    return _CHOICE.get() != "op" and experts_grad.usable(x, w13, w2) and experts_grad.traceable(x.dtype)
+
+
 def _fused_moe_grads(ctx, grad_out):
     _first_order_only("fused_moe")
     x, logits, w13, w2, b13, b2, bias = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:6])
-    grads = torch.ops.moe_compile.fused_moe_backward(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias,
-                                                     needs, ctx.transposed, ctx.scalars)
+    if ctx.in_graph:
+        def routing(grad_weights, router_logits, e_bias, cfg):
+            return torch.ops.moe_compile.routing_backward(grad_weights, router_logits, e_bias, ctx.scalars)
+
+        grads = _moe_grads(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias, needs, ctx.transposed,
+                           ctx.scalars, routing)
+    else:
+        grads = torch.ops.moe_compile.fused_moe_backward(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias,
+                                                         needs, ctx.transposed, ctx.scalars)
     return (*[g if need else None for g, need in zip(grads, needs)], None, *[None] * (len(ctx.needs_input_grad) - 7))
 
 
@@ -292,8 +366,8 @@ def _fused_experts_grads(ctx, grad_out):
     x, weights, ids, w13, w2, b13, b2 = ctx.saved_tensors
     slots = (0, 1, 3, 4, 5, 6)  # every input but topk_ids
     needs = [bool(ctx.needs_input_grad[i]) for i in slots]
-    grads = torch.ops.moe_compile.fused_experts_backward(grad_out.contiguous(), x, weights, ids, w13, w2, b13, b2,
-                                                         needs, ctx.transposed, ctx.scalars)
+    backward = _experts_grads if ctx.in_graph else torch.ops.moe_compile.fused_experts_backward
+    grads = backward(grad_out.contiguous(), x, weights, ids, w13, w2, b13, b2, needs, ctx.transposed, ctx.scalars)
     result = [None] * len(ctx.needs_input_grad)
     for slot, g, need in zip(slots, grads, needs):
         result[slot] = g if need else None
@@ -303,4 +377,5 @@ def _fused_experts_grads(ctx, grad_out):
 co.fused_moe_op.register_autograd(_fused_moe_grads, setup_context=functools.partial(_setup, w13_at=2))
 co.fused_experts_op.register_autograd(_fused_experts_grads, setup_context=functools.partial(_setup, w13_at=3))
 
-__all__ = ["experts_backward", "fused_experts_backward_op", "fused_moe_backward_op"]
+__all__ = ["backward_in_graph", "experts_backward", "fused_experts_backward_op", "fused_moe_backward_op",
+           "routing_backward_op"]

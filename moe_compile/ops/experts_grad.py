@@ -10,6 +10,7 @@ the number of experts. A 2-D x 2-D grouped GEMM (the weight gradients) writes ze
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
 import torch
@@ -26,21 +27,50 @@ def _accepts(device_type: str, dtype: torch.dtype) -> bool:
         return dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] >= 9
     if device_type != "cpu":
         return False
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # real tensors, also when first asked while a graph is traced
+        try:
+            a, b = torch.ones(8, 8, dtype=dtype), torch.ones(2, 8, 8, dtype=dtype)
+            offs = torch.tensor([0, 8], dtype=torch.int32)
+            ok = bool((_GROUPED(a, b, offs=offs) == 8).all())
+            return ok and bool((_GROUPED(a.t(), a, offs=offs)[1] == 8).all())
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+
+
+@functools.lru_cache(maxsize=None)
+def traceable(dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm``'s fake kernel takes ``dtype`` (torch 2.11-2.13: bf16 only, whatever the
+    device), so that a graph can hold the grouped backward's ops."""
+    if _GROUPED is None:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the refusal at ERROR before raising
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
-        a, b = torch.ones(8, 8, dtype=dtype), torch.ones(2, 8, 8, dtype=dtype)
-        offs = torch.tensor([0, 8], dtype=torch.int32)
-        ok = bool((_GROUPED(a, b, offs=offs) == 8).all())
-        return ok and bool((_GROUPED(a.t(), a, offs=offs)[1] == 8).all())
+        with _disable_current_modes(), FakeTensorMode():
+            a, b = torch.empty(16, 8, dtype=dtype), torch.empty(2, 8, 8, dtype=dtype)
+            offs = torch.empty(2, dtype=torch.int32)
+            _GROUPED(a, b, offs=offs)
+            _GROUPED(a.t(), a, offs=offs)
+        return True
     except (RuntimeError, NotImplementedError, TypeError):
         return False
+    finally:
+        quiet.setLevel(level)
 
 
 def _aligned(t: torch.Tensor) -> bool:
-    """One of the last two dims unit-stride, the other's stride (and the start) a multiple of 16 bytes."""
+    """One of the last two dims unit-stride, the other's stride (and the offset into the storage, whose start
+    torch's allocators align) a multiple of 16 bytes. Read from the metadata, so it answers for fake tensors too."""
     size = t.element_size()
     row, col = t.stride(-2), t.stride(-1)
     lead = row if col == 1 else col if row == 1 else None
-    return lead is not None and lead * size % 16 == 0 and t.data_ptr() % 16 == 0
+    return lead is not None and lead * size % 16 == 0 and t.storage_offset() * size % 16 == 0
 
 
 def usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:

@@ -169,15 +169,25 @@ def test_no_grad_regions_and_detaches_keep_their_meaning(detach):
     _assert_grads_match(grads, ref_grads, TOL[torch.float32])
 
 
-def test_bf16_training_step_within_bf16_tolerance():
+@pytest.mark.parametrize("in_graph", [True, False], ids=["in_graph", "opaque_op"])
+def test_bf16_training_step_within_bf16_tolerance(in_graph, backward_calls, monkeypatch):
+    """bf16: the backward's grouped GEMMs are traced into the graph (AOTAutograd calls ``experts_backward`` once,
+    while compiling; the step then runs the graph's ops and the routing's opaque op), or, when that is off, run by
+    the opaque ``fused_moe_backward`` op during the step (``options['training_backward'] = 'op'``)."""
+    routing_calls = []
+    real_routing = ag._routing_grad
+    monkeypatch.setattr(ag, "_routing_grad", lambda *a: routing_calls.append(1) or real_routing(*a))
     model, kwargs = build_block_model("v4_mixtral", num_layers=1, num_tokens=7, batch=2, dtype=torch.bfloat16)
     ref_out, ref_grads = _step(model, kwargs)
-    report = moe_compile.explain(model, options={"inner_compiler": "aot_eager"}, training=True, **kwargs)
+    options = {"inner_compiler": "aot_eager", "training_backward": "auto" if in_graph else "op"}
+    report = moe_compile.explain(model, options=options, training=True, **kwargs)
     assert report.rewritten == ["layers.0.moe"], str(report)
     out = first_tensor(report.output)
     assert max_rel_diff(out, ref_out) <= TOL[torch.bfloat16]
+    assert len(backward_calls) == (1 if in_graph else 0)
     model.zero_grad(set_to_none=True)
     (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
+    assert len(backward_calls) == 1 and len(routing_calls) == 1
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     _assert_grads_match(grads, ref_grads, TOL[torch.bfloat16])
 
@@ -215,3 +225,5 @@ def test_bad_training_arguments_are_refused_by_name():
         moe_compile.explain(model, options={"training": "yes"}, **kwargs)
     with pytest.raises(TypeError, match="explain: training must be a bool, but got 1"):
         moe_compile.explain(model, training=1, **kwargs)
+    with pytest.raises(wrapped, match=r"options\['training_backward'\] must be 'auto' or 'op', but got 'graph'"):
+        moe_compile.explain(model, options={"training_backward": "graph"}, **kwargs)
