@@ -1,11 +1,13 @@
 """The experts' backward as grouped GEMMs (``torch._grouped_mm``): no host sync, no loop over the experts.
 
 ``ops/autograd.py``'s ``experts_backward`` calls this where ``torch._grouped_mm`` takes the operands (``usable``):
-on CUDA that is bf16 on sm90+ (CUTLASS; torch's other CUDA dtypes loop over the groups after a host sync, so they
-keep our own loop), on the CPU every dtype torch's CPU kernel accepts; both need 16-byte aligned rows. The math is
-``experts_backward``'s, with each per-expert ``mm`` one grouped GEMM over the pairs sorted by expert (group ends
-``offs`` from a ``searchsorted``: nothing read on the host), so a layer's backward is five GEMM launches whatever
-the number of experts. A 2-D x 2-D grouped GEMM (the weight gradients) writes zeros for an expert with no rows.
+on CUDA that is bf16 on sm90 / sm100 (CUTLASS; torch's other CUDA cases loop over the groups after a host sync,
+so they keep our own loop), on the CPU every dtype torch's CPU kernel accepts; both need 16-byte aligned rows.
+The math is ``experts_backward``'s, with each per-expert ``mm`` one grouped GEMM over the pairs sorted by expert
+(group ends ``offs`` from a ``searchsorted``: nothing read on the host), so a layer's backward is five GEMM
+launches whatever the number of experts. A 2-D x 2-D grouped GEMM (the weight gradients) writes zeros for an
+expert with no rows. Where torch's fake kernel takes the dtype (``traceable``: bf16), the autograd formula runs
+these ops while AOTAutograd traces the backward, so they become the backward graph's own nodes.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ def _accepts(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs (2-D x 3-D and 2-D x 2-D) for this device type and dtype, sync-free."""
     if _GROUPED is None:
         return False
-    if device_type == "cuda":  # torch's sync-free CUTLASS path: bf16 on sm90 and later
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] >= 9
+    if device_type == "cuda":  # torch's sync-free CUTLASS path: bf16 on sm90 / sm100 (others loop after a sync)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] in (9, 10)
     if device_type != "cpu":
         return False
     from torch.utils._python_dispatch import _disable_current_modes

@@ -93,6 +93,23 @@ def test_inductor_training_step_matches_eager(backward_calls):
     assert len(backward_calls) == 2
 
 
+def test_inductor_compiles_the_bf16_backward_traced_into_the_graph(backward_calls):
+    """bf16 under Inductor: the grouped GEMMs of the backward are graph nodes Inductor lowers (traced once while
+    compiling; the opaque backward op never runs), with gradients as eager's within bf16's tolerance."""
+    model, kwargs = build_block_model("v4_mixtral", num_layers=1, num_tokens=7, batch=2, dtype=torch.bfloat16)
+    ref_out, ref_grads = _step(model, kwargs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_npu", options={"inner_compiler": "inductor"})
+    with collecting() as report:
+        out, grads = _step(model, kwargs, compiled)
+    assert report.rewritten == ["layers.0.moe"], str(report)
+    assert max_rel_diff(out, ref_out) <= TOL[torch.bfloat16]
+    _assert_grads_match(grads, ref_grads, TOL[torch.bfloat16])
+    assert len(backward_calls) == 1  # the trace; a second step runs the compiled graphs alone
+    _step(model, kwargs, compiled)
+    assert len(backward_calls) == 1
+
+
 def test_optimizer_steps_follow_the_updated_weights():
     """Stacked ModuleList weights are made in the graph, so after an optimizer step the compiled model reads the
     new weights (the inference rewrite's cached copy would be re-made instead); three SGD steps as eager's."""
