@@ -140,17 +140,20 @@ def test_bf16_gradients_within_bf16_tolerance(path):
         _check(a, b, torch.bfloat16, "bf16")
 
 
-def test_fused_experts_gradients_reach_the_routing_weights(path):
-    x, logits, w13, w2, _, _ = _tensors(torch.float32, "silu", False, seed=1)
-    weights, ids = torch.softmax(logits, -1).topk(2, dim=-1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_experts_gradients_reach_the_routing_weights(path, dtype):
+    """bf16 runs the backward's ops directly (the form traced into a graph), fp32 the opaque op."""
+    x, logits, w13, w2, _, _ = _tensors(dtype, "silu", False, seed=1)
+    weights, ids = torch.softmax(logits.float(), -1).topk(2, dim=-1)
+    weights = weights.to(dtype)
     out = torch.ops.moe_compile.fused_experts(x, weights, ids.int(), w13, w2, None, None, E, "silu", 1.702, 7.0,
                                               False, False, None, None, None, True, True, "auto")
     ref = _dense(x, weights, ids, w13, w2, None, None, "silu")
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
     inputs = [x, logits, w13, w2]
     for name, a, b in zip(["x", "logits", "w13", "w2"], torch.autograd.grad(out, inputs, g, retain_graph=True),
-                          torch.autograd.grad(ref, inputs, g)):
-        _check(a, b, torch.float32, name)
+                          torch.autograd.grad(ref.float(), inputs, g.float())):
+        _check(a, b, dtype, name)
 
 
 def test_only_the_inputs_that_need_a_gradient_get_one(monkeypatch):
