@@ -29,6 +29,7 @@ import json
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from moe_compile.ops import custom_op as co
 from moe_compile.ops import experts_grad
@@ -47,17 +48,20 @@ def _activation_with_backward(h: torch.Tensor, cfg: ExpertsConfig):
     SiLU-gated experts, the common case; by autograd on ``h`` alone for the others."""
     if cfg.activation is Activation.SILU:
         gate, up = split_gate_up(h, cfg.gate_up_interleaved)
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
+        # in fp32, rounded once to h's dtype (as the forward kernels round the activation); the derivative is
+        # recomputed from h when asked for, so no fp32 intermediate is held across the GEMMs in between
+        act = (F.silu(gate.float()) * up.float()).to(h.dtype)
 
         def backward(da: torch.Tensor) -> torch.Tensor:
+            g, u, da32 = gate.float(), up.float(), da.float()
+            sig = torch.sigmoid(g)
             dh = torch.empty_like(h)
             d_gate, d_up = split_gate_up(dh, cfg.gate_up_interleaved)
-            d_gate.copy_(da * up * sig * (1 + gate * (1 - sig)))
-            d_up.copy_(da * silu)
+            d_gate.copy_(da32 * u * sig * (1 + g * (1 - sig)))
+            d_up.copy_(da32 * g * sig)
             return dh
 
-        return silu * up, backward
+        return act, backward
     with torch.enable_grad():
         h_leaf = h.detach().requires_grad_()
         act = apply_activation(h_leaf, cfg)

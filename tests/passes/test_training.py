@@ -110,6 +110,36 @@ def test_inductor_compiles_the_bf16_backward_traced_into_the_graph(backward_call
     assert len(backward_calls) == 1
 
 
+@pytest.mark.parametrize("name", ["v4_mixtral", "gptfast"])
+def test_autocast_training_step_matches_eager_autocast(name):
+    """fp32 parameters under ``torch.autocast`` (bf16 matmuls): the op is given the graph's casts of the stacked
+    weights, so it computes in bf16 as the block does, and the gradients reach the fp32 parameters. Held to fp32
+    eager: on the whole no further from it than eager autocast is (both round, differently)."""
+    model, kwargs = build_block_model(name, num_layers=2, num_tokens=7, batch=2)
+
+    def step(forward, autocast=True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = first_tensor(forward(**kwargs))
+        (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    exact_out, exact = step(model, autocast=False)
+    ref_out, ref_grads = step(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_npu", options={"inner_compiler": "aot_eager"})
+    with collecting() as report:
+        out, grads = step(compiled)
+    assert report.rewritten == ["layers.0.moe", "layers.1.moe"], str(report)
+    assert all(g.dtype == torch.float32 for g in grads.values()) and set(grads) == set(exact)
+    assert max_rel_diff(out, exact_out) <= 1.5 * max_rel_diff(ref_out, exact_out)
+    ours = [max_rel_diff(grads[n], exact[n]) for n in exact]
+    eager = [max_rel_diff(ref_grads[n], exact[n]) for n in exact]
+    # per parameter the two trade places; over all of them ours is as close (measured: mean 0.95-0.97 of eager's;
+    # the activation's derivative in bf16 steps, before this session, was 1.16 of it for v4_mixtral)
+    assert sum(ours) <= 1.1 * sum(eager) and max(ours) <= 1.5 * max(eager), (sum(ours), sum(eager))
+
+
 def test_optimizer_steps_follow_the_updated_weights():
     """Stacked ModuleList weights are made in the graph, so after an optimizer step the compiled model reads the
     new weights (the inference rewrite's cached copy would be re-made instead); three SGD steps as eager's."""
