@@ -341,8 +341,8 @@ def backward_choice(choice: str):
 
 def backward_in_graph(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the backward is written into the graph as the grouped GEMMs' aten ops (traced by AOTAutograd, so
-    Inductor fuses the elementwise work around them and no host step runs between them: the backward of a graph
-    with no host sync, CUDA-graph capturable) rather than one opaque ``*_backward`` op: where the grouped GEMMs
+    Inductor fuses the elementwise work around them and no host step runs between them; nothing syncs with the
+    host, as a CUDA test checks) rather than one opaque ``*_backward`` op: where the grouped GEMMs
     take the operands (``experts_grad.usable``) and torch's fake kernel of them takes the dtype (bf16), so the
     graph can be traced; otherwise the opaque op runs the same math, or the loop. Never under
     ``backward_choice('op')``. Asked when the forward is traced or run (``_setup``)."""
