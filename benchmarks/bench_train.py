@@ -2,15 +2,16 @@
 
     python benchmarks/bench_train.py [--model qwen3] [--hidden 512] [--inter 256] [--experts 32] [--top-k 4]
         [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--inner inductor]
-        [--out DIR]
+        [--modes eager inductor moe_npu [moe_npu_opaque moe_npu_loop]] [--profile N] [--out DIR]
 
 For each mode: the first step's time (the compile), the median step time (``bench_cpu_layer.interleaved_ms``:
 each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
 for backward, parameters not counted, each storage once; ``torch.autograd.graph.saved_tensors_hooks``), and the
 largest difference of the loss and of every parameter's gradient from eager (relative to its largest entry).
 ``moe_npu``'s backward recomputes each rewritten block (``moe_compile/ops/autograd.py``; grouped GEMMs where
-``torch._grouped_mm`` takes them, ``--modes ... moe_npu_loop`` for the per-expert loop instead), so it saves only
-the blocks' inputs. Prints a table; writes ``train.json`` under ``--out``.
+``torch._grouped_mm`` takes them, traced into the graph in bf16), so it saves only the blocks' inputs. Modes
+``moe_npu_opaque`` (``training_backward='op'``: the opaque backward op) and ``moe_npu_loop`` (that op looping over
+the experts) compare the forms in one run; ``--profile N`` prints each mode's N ops of most device time. Prints a table; writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
 

@@ -174,9 +174,11 @@ def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendC
 
             from moe_compile.compile_cache import package_hash
 
-            # a do-nothing custom pass whose uuid puts the package's source in Inductor's cache keys: a graph cached
-            # with another version's ops (their schemas) is not served
-            with inductor_config.patch(post_grad_custom_pre_pass=_InductorHook(lambda graph: None, package_hash())):
+            # a do-nothing custom pass whose uuid puts the package's source and the backward's form in Inductor's
+            # and AOTAutograd's cache keys: a graph cached with another version's ops (their schemas), or with the
+            # other training_backward (traced before the cache is asked), is not served
+            uuid = "%s:%s" % (package_hash(), config.training_backward)
+            with inductor_config.patch(post_grad_custom_pre_pass=_InductorHook(lambda graph: None, uuid)):
                 return _compile_plain(aten_gm, example_inputs, inner, config)
         return _compile_plain(aten_gm, example_inputs, inner, config)
 

@@ -21,13 +21,13 @@ _GROUPED = getattr(torch, "_grouped_mm", None)
 
 
 @functools.lru_cache(maxsize=None)
-def _accepts(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs (2-D x 3-D and 2-D x 2-D) for this device type and dtype, sync-free."""
+def _accepts(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs (2-D x 3-D and 2-D x 2-D) on this device for this dtype, sync-free."""
     if _GROUPED is None:
         return False
-    if device_type == "cuda":  # torch's sync-free CUTLASS path: bf16 on sm90 / sm100 (others loop after a sync)
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] in (9, 10)
-    if device_type != "cpu":
+    if device.type == "cuda":  # torch's sync-free CUTLASS path: bf16 on sm90 / sm100 (others loop after a sync)
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+    if device.type != "cpu":
         return False
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -79,7 +79,7 @@ def usable(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the grouped backward takes these operands (else ``experts_backward`` loops over the experts)."""
     if not (x.dtype == w13.dtype == w2.dtype and x.device == w13.device == w2.device):
         return False
-    if not _accepts(x.device.type, x.dtype):
+    if not _accepts(x.device, x.dtype):
         return False
     size = x.element_size()
     dims = (x.shape[-1], w13.shape[-1], w2.shape[-2])  # H, the first GEMM's width, I
