@@ -2,7 +2,7 @@
 
     python benchmarks/bench_train.py [--model qwen3] [--hidden 512] [--inter 256] [--experts 32] [--top-k 4]
         [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--inner inductor]
-        [--modes eager inductor moe_npu [moe_npu_opaque moe_npu_loop]] [--profile N] [--out DIR]
+        [--modes eager inductor moe_npu [moe_npu_opaque moe_npu_loop]] [--profile N] [--host-profile N] [--out DIR]
 
 For each mode: the first step's time (the compile), the median step time (``bench_cpu_layer.interleaved_ms``:
 each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
@@ -11,7 +11,8 @@ largest difference of the loss and of every parameter's gradient from eager (rel
 ``moe_npu``'s backward recomputes each rewritten block (``moe_compile/ops/autograd.py``; grouped GEMMs where
 ``torch._grouped_mm`` takes them, traced into the graph in bf16), so it saves only the blocks' inputs. Modes
 ``moe_npu_opaque`` (``training_backward='op'``: the opaque backward op) and ``moe_npu_loop`` (that op looping over
-the experts) compare the forms in one run; ``--profile N`` prints each mode's N ops of most device time. Prints a table; writes ``train.json`` under ``--out``.
+the experts) compare the forms in one run; ``--profile N`` prints each mode's N ops of most device time,
+``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -105,6 +106,22 @@ def profile_table(run, batches: list, rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
+def host_profile(run, batches: list, rows: int) -> str:
+    """cProfile's ``rows`` Python functions of most own time over 3 calls of ``run`` (where the host's time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for b in batches[:3]:
+        run(b)
+    prof.disable()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    return out.getvalue()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser)
@@ -120,6 +137,8 @@ def main(argv=None) -> int:
                         help="moe_npu's inner compiler (aot_eager: quick, for tests)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, profile 3 steps of each mode and print its N kernels of most device time")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="after timing, cProfile 3 steps of each mode and print its N functions of most own time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -157,6 +176,9 @@ def main(argv=None) -> int:
     for mode, fn in fns.items() if args.profile else ():
         print(f"\n{mode}: the {args.profile} kernels of most device time over 3 steps")
         print(profile_table(lambda b, fn=fn, mode=mode: step(model, fn, b, mode), batches, args.profile))
+    for mode, fn in fns.items() if args.host_profile else ():
+        print(f"\n{mode}: the {args.host_profile} Python functions of most own time over 3 steps")
+        print(host_profile(lambda b, fn=fn, mode=mode: step(model, fn, b, mode), batches, args.host_profile))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         text = json.dumps(dict(args=vars(args), rows=list(rows.values())), indent=1)

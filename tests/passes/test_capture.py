@@ -129,6 +129,20 @@ class _IndexerThenMoE(nn.Module):
         return self.moe(x) + scores.amax(-1).reshape(-1, 1)
 
 
+def _inductor_lowers_under_capture(model, *args) -> bool:
+    """Whether plain Inductor compiles ``model`` with the capture flags on (the premise of the test below)."""
+    torch._dynamo.reset()
+    flags = dict(capture_dynamic_output_shape_ops=True, capture_scalar_outputs=True)
+    with torch._dynamo.config.patch(**flags), torch.no_grad():
+        try:
+            torch.compile(model, backend="inductor", fullgraph=True)(*args)
+        except Exception:  # noqa: BLE001 - any failure is the premise holding
+            return False
+        finally:
+            torch._dynamo.reset()
+    return True
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("exclude", [None, "*"])
 def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_on_the_pass(exclude, monkeypatch):
@@ -155,7 +169,10 @@ def test_a_frame_inductor_cannot_lower_under_capture_is_traced_again_not_blamed_
     counters = torch._dynamo.utils.counters["moe_compile"]
     assert counters["pass_failed"] == 0 and counters["rewritten"] == (0 if exclude else 1), dict(counters)
     assert report.rewritten == ([] if exclude else ["moe"]), str(report)
-    assert len(plain_compiles) == (0 if exclude else 1)  # the one with the rewrite: the original failed too
     frames = [reason for path, reason in report.skipped if path.startswith("<frame")]
+    if not frames and not plain_compiles and _inductor_lowers_under_capture(model, x, mask):
+        pytest.skip(f"torch {torch.__version__}'s Inductor lowers this frame under the capture flags (torch 2.11 "
+                    "does; 2.13 does not): there is no failure here to recover from")
+    assert len(plain_compiles) == (0 if exclude else 1)  # the one with the rewrite: the original failed too
     assert len(frames) == 1 and "traced or compiled while capturing" in frames[0], report.skipped
     assert not any("compile failed after the rewrite" in reason for _, reason in report.skipped), report.skipped
