@@ -73,7 +73,13 @@ def test_hand_written_blocks_with_separate_expert_weights(style):
 def test_symbolic_token_counts():
     model, kwargs = build_model("qwen3_moe")
     seq = torch.export.Dim("seq", min=2, max=64)
-    new, report = moe_compile.rewrite_exported(_export(model, kwargs, dynamic_shapes={"input_ids": {1: seq}}))
+    try:
+        ep = _export(model, kwargs, dynamic_shapes={"input_ids": {1: seq}})
+    except torch._dynamo.exc.UserError as e:  # the plain model's export, before our pass runs
+        if "Constraints violated" not in str(e) or torch.__version__ >= (2, 13):
+            raise
+        pytest.skip(f"torch {torch.__version__} cannot export transformers' Qwen3-MoE with a symbolic length: {e}")
+    new, report = moe_compile.rewrite_exported(ep)
     assert len(report.rewritten) == 2, str(report)
     for tokens in (3, 17, 40):
         ids = {"input_ids": torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator())}
