@@ -11,7 +11,8 @@ largest difference of the loss and of every parameter's gradient from eager (rel
 ``moe_npu``'s backward recomputes each rewritten block (``moe_compile/ops/autograd.py``; grouped GEMMs where
 ``torch._grouped_mm`` takes them, traced into the graph in bf16), so it saves only the blocks' inputs. Modes
 ``moe_npu_opaque`` (``training_backward='op'``: the opaque backward op) and ``moe_npu_loop`` (that op looping over
-the experts) compare the forms in one run; ``--profile N`` prints each mode's N ops of most device time,
+the experts) compare the forms in one run; ``inductor_graphs`` and ``moe_npu_graphs`` compile with
+``mode="reduce-overhead"`` (CUDA graphs of the forward and the backward); ``--profile N`` prints each mode's N ops of most device time,
 ``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
 from benchmarks.bench_export import add_model_args, make_model  # noqa: E402
 
-MODES = ("eager", "inductor", "moe_npu", "moe_npu_opaque", "moe_npu_loop")
+MODES = ("eager", "inductor", "moe_npu", "moe_npu_opaque", "moe_npu_loop", "inductor_graphs", "moe_npu_graphs")
 
 
 @contextlib.contextmanager
@@ -56,17 +57,20 @@ def compiled(mode: str, model, inner: str = "inductor"):
 
     if mode == "eager":
         return model
-    if mode == "inductor":
-        return torch.compile(model, dynamic=False)
+    graphs = {"mode": "reduce-overhead"} if mode.endswith("_graphs") else {}  # CUDA graphs of forward and backward
+    if mode.startswith("inductor"):
+        return torch.compile(model, dynamic=False, **graphs)
     # moe_npu: the backward as ops/autograd.py chooses (bf16: grouped GEMMs traced into the graph); the others: in
     # the opaque fused_moe_backward op (options differ, so Dynamo compiles them apart)
-    backward = "auto" if mode == "moe_npu" else "op"
+    backward = "op" if mode in ("moe_npu_opaque", "moe_npu_loop") else "auto"
     return torch.compile(model, backend="moe_npu", dynamic=False,
-                         options={"inner_compiler": inner, "training_backward": backward})
+                         options={"inner_compiler": inner, "training_backward": backward, **graphs})
 
 
 def step(model, fn, batch: dict, mode: str = "eager") -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
+    if mode.endswith("_graphs"):
+        torch.compiler.cudagraph_mark_step_begin()  # a new step: the graphs may overwrite the last step's outputs
     with backward_path(mode):
         logits = fn(input_ids=batch["input_ids"]).logits
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
