@@ -12,7 +12,8 @@ largest difference of the loss and of every parameter's gradient from eager (rel
 ``torch._grouped_mm`` takes them, traced into the graph in bf16), so it saves only the blocks' inputs. Modes
 ``moe_npu_opaque`` (``training_backward='op'``: the opaque backward op) and ``moe_npu_loop`` (that op looping over
 the experts) compare the forms in one run; ``inductor_graphs`` and ``moe_npu_graphs`` compile with
-``mode="reduce-overhead"`` (CUDA graphs of the forward and the backward); ``--profile N`` prints each mode's N ops of most device time,
+``mode="reduce-overhead"`` (CUDA graphs of the forward and the backward), ``inductor_dynamic`` and
+``moe_npu_dynamic`` with ``dynamic=True`` (symbolic shapes); ``--profile N`` prints each mode's N ops of most device time,
 ``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
 from benchmarks.bench_export import add_model_args, make_model  # noqa: E402
 
-MODES = ("eager", "inductor", "moe_npu", "moe_npu_opaque", "moe_npu_loop", "inductor_graphs", "moe_npu_graphs")
+MODES = ("eager", "inductor", "moe_npu", "moe_npu_opaque", "moe_npu_loop", "inductor_graphs", "moe_npu_graphs",
+         "inductor_dynamic", "moe_npu_dynamic")
 
 
 @contextlib.contextmanager
@@ -58,12 +60,13 @@ def compiled(mode: str, model, inner: str = "inductor"):
     if mode == "eager":
         return model
     graphs = {"mode": "reduce-overhead"} if mode.endswith("_graphs") else {}  # CUDA graphs of forward and backward
+    dynamic = mode.endswith("_dynamic")  # symbolic shapes: one graph for every batch and length
     if mode.startswith("inductor"):
-        return torch.compile(model, dynamic=False, **graphs)
+        return torch.compile(model, dynamic=dynamic, **graphs)
     # moe_npu: the backward as ops/autograd.py chooses (bf16: grouped GEMMs traced into the graph); the others: in
     # the opaque fused_moe_backward op (options differ, so Dynamo compiles them apart)
     backward = "op" if mode in ("moe_npu_opaque", "moe_npu_loop") else "auto"
-    return torch.compile(model, backend="moe_npu", dynamic=False,
+    return torch.compile(model, backend="moe_npu", dynamic=dynamic,
                          options={"inner_compiler": inner, "training_backward": backward, **graphs})
 
 

@@ -143,6 +143,8 @@ def _compile_training(gm, example_inputs, inner: InnerCompiler, config: BackendC
 
     try:
         aten_gm = training.trace_to_aten(gm, example_inputs)
+    except torch._dynamo.exc.RestartAnalysis:  # e.g. floats to specialise (dynamic=True): Dynamo traces again
+        raise
     except Exception as exc:  # nothing rewritten yet: a skip with its reason, not a failure of the pass
         from moe_compile.report import BlockDecision, record
 

@@ -9,8 +9,12 @@ AOTAutograd differentiates it again, now through the fused ops' registered backw
 (``ops/autograd.py``). Expert weights that the inference rewrite would stack into a cached copy are
 stacked in the graph instead (``passes/rewrite.py``), so their gradients reach the model's parameters.
 
-Left alone, with the reason: graphs with symbolic shapes (the aten graph is traced at the example's
-shapes), graphs that enter inference mode or forward-mode AD, graphs holding
+Symbolic shapes (``dynamic=True``, or Dynamo's recompile with a symbolic length when the length changes) are traced
+at Dynamo's own fake inputs, in its shape environment, as AOTAutograd traces, so the guards the trace adds are the
+compiled graph's and one compile serves every length; Python floats Dynamo made inputs are turned back into tensor
+arithmetic as AOTAutograd does (and a float it must specialise restarts Dynamo's analysis, as it would without us).
+
+Left alone, with the reason: graphs that enter inference mode or forward-mode AD, graphs holding
 higher-order ops or functorch transforms (``vmap`` in a mask function, a Mamba scan: the trace's own
 functionalization is a functorch transform and does not nest with them), and expert- or tensor-parallel
 blocks; on NPU (TorchAir) training graphs are compiled without the pass.
@@ -31,9 +35,12 @@ def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str |
     if config.ep_group is not None or config.tp_group is not None:
         return "autograd is recording: the fused op's backward runs on one device (no ep_group/tp_group)"
     for t in example_inputs:
-        if isinstance(t, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            return ("autograd is recording with symbolic shapes (%s): training graphs are rewritten at static "
-                    "shapes only (torch.compile(..., dynamic=False))" % t)
+        if isinstance(t, (torch.SymFloat, torch.SymBool)):
+            return ("autograd is recording with a symbolic %s input (%s): compiled without the pass"
+                    % (type(t).__name__, t))
+    if _symbolic(example_inputs) and _dynamo_fakes(gm) is None:
+        return ("autograd is recording with symbolic shapes and the graph's inputs carry no fake values of "
+                "Dynamo's to trace them at: compiled without the pass")
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
@@ -66,13 +73,37 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
         return out
 
     functional = torch.func.functionalize(run, remove="mutations")
-    # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
-    # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
-    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
-        traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
+    if _symbolic(example_inputs):
+        # symbolic shapes: traced at Dynamo's own fake inputs, in its shape environment, as AOTAutograd traces;
+        # the guards the trace adds are on Dynamo's symbols and become the compiled graph's
+        # (the inputs as they are, so a float input's fake keeps the value its .item() gives)
+        fakes = _dynamo_fakes(gm)
+        fake_mode = next(t.fake_mode for t in fakes if isinstance(t, torch._subclasses.FakeTensor))
+        with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad():
+            traced = make_fx(functional, tracing_mode="real")(*fakes)
+            # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the
+            # 0-d tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
+            from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
+
+            tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
+    else:
+        # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
+        # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
+        with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
+            traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _symbolic(example_inputs) -> bool:
+    return any(isinstance(t, torch.SymInt) for t in example_inputs)
+
+
+def _dynamo_fakes(gm: fx.GraphModule):
+    """The graph's inputs as Dynamo traced them (fake tensors with its symbolic sizes, its SymInts), or None."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    return None if any(v is None for v in values) else values
 
 
 class _GradModeKeeper(fx.Interpreter):
@@ -107,7 +138,10 @@ def differentiable(gm: fx.GraphModule) -> int:
             dst_val = dst.meta["val"]
             with gm.graph.inserting_before(node):
                 cast = gm.graph.call_function(aten._to_copy.default, (src,), {"dtype": dst_val.dtype})
-                wide = gm.graph.call_function(aten.expand.default, (cast, list(dst_val.shape)))
+                # a symbolic size is read off dst in the graph (no raw SymInt in a node's arguments)
+                shape = [gm.graph.call_function(aten.sym_size.int, (dst, i)) if isinstance(d, torch.SymInt) else d
+                         for i, d in enumerate(dst_val.shape)]
+                wide = gm.graph.call_function(aten.expand.default, (cast, shape))
                 new = gm.graph.call_function(aten.clone.default, (wide,))
         else:
             continue

@@ -15,15 +15,17 @@ import bench_train  # noqa: E402
 
 def test_bench_train_runs_and_matches_eager(tmp_path, capsys):
     argv = ["--hidden", "64", "--inter", "32", "--experts", "8", "--top-k", "2", "--batch", "2", "--seq", "16",
-            "--reps", "2", "--modes", "eager", "moe_npu", "moe_npu_graphs", "--inner", "aot_eager", "--host-profile", "5", "--out", str(tmp_path)]
+            "--reps", "2", "--modes", "eager", "moe_npu", "moe_npu_graphs", "moe_npu_dynamic", "--inner", "aot_eager",
+            "--host-profile", "5", "--out", str(tmp_path)]
     assert bench_train.main(argv) == 0
     rows = {r["mode"]: r for r in json.loads((tmp_path / "train.json").read_text())["rows"]}
-    assert set(rows) == {"eager", "moe_npu", "moe_npu_graphs"}
-    for mode in ("moe_npu", "moe_npu_graphs"):  # reduce-overhead: no CUDA graphs on the CPU, the same compile
+    assert set(rows) == {"eager", "moe_npu", "moe_npu_graphs", "moe_npu_dynamic"}
+    for mode in ("moe_npu", "moe_npu_graphs", "moe_npu_dynamic"):  # graphs: none on the CPU
         moe = rows[mode]
         assert moe["loss_diff"] <= 1e-4 and moe["grad_rel_diff"] <= 1e-4 and moe["ms"] > 0, mode
     moe = rows["moe_npu"]
     assert 0 < moe["saved_mb"] < rows["eager"]["saved_mb"]
+    assert rows["moe_npu_dynamic"]["saved_mb"] == moe["saved_mb"]  # rewritten with symbolic shapes too
     out = capsys.readouterr().out
     assert "moe_npu" in out
     assert "moe_npu: the 5 Python functions of most own time over 3 steps" in out and "tottime" in out

@@ -177,12 +177,6 @@ def test_training_false_compiles_training_graphs_without_the_pass():
     assert any("options['training'] is False" in r for r in reasons), reasons
 
 
-def test_symbolic_shapes_are_left_alone_with_a_reason():
-    model, kwargs = build_block_model("gptfast", num_layers=1)
-    reasons = _skip_reasons(model, kwargs, dynamic=True)
-    assert any("symbolic shapes" in r for r in reasons), reasons
-
-
 class _Detaching(torch.nn.Module):
     def __init__(self, inner, detach: bool):
         super().__init__()
