@@ -72,27 +72,43 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
         torch._C._set_grad_enabled(False)
         return out
 
-    functional = torch.func.functionalize(run, remove="mutations")
     if _symbolic(example_inputs):
-        # symbolic shapes: traced at Dynamo's own fake inputs, in its shape environment, as AOTAutograd traces;
-        # the guards the trace adds are on Dynamo's symbols and become the compiled graph's
-        # (the inputs as they are, so a float input's fake keeps the value its .item() gives)
-        fakes = _dynamo_fakes(gm)
-        fake_mode = next(t.fake_mode for t in fakes if isinstance(t, torch._subclasses.FakeTensor))
-        with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad():
-            traced = make_fx(functional, tracing_mode="real")(*fakes)
-            # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the
-            # 0-d tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
-            from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
-
-            tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
+        traced = _symbolic_trace(gm)
     else:
+        functional = torch.func.functionalize(run, remove="mutations")
         # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
         # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
         with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
             traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
     traced.graph.eliminate_dead_code()
     traced.recompile()
+    return traced
+
+
+def _symbolic_trace(gm: fx.GraphModule) -> fx.GraphModule:
+    """The symbolic-shape trace: at Dynamo's own fake inputs, in its shape environment, as AOTAutograd traces, so the
+    guards it adds are on Dynamo's symbols and become the compiled graph's (the inputs as they are: a float input's
+    fake keeps the value its ``.item()`` gives). Two passes: ``torch.func.functionalize`` reads the sizes of the
+    composite ops it runs as ints (``F.linear`` with a bias on a 3-D input), which would specialise every length,
+    so the graph is first traced to aten ops as it is, then that graph is functionalised."""
+    from torch.fx import traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
+
+    fakes = _dynamo_fakes(gm)
+    fake_mode = next(t.fake_mode for t in fakes if isinstance(t, torch._subclasses.FakeTensor))
+    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad():
+        unfunctional = make_fx(lambda *args: _GradModeKeeper(gm).run(*args), tracing_mode="real")(*fakes)
+
+        def replay(*args):
+            out = fx.Interpreter(unfunctional).run(*args)  # node by node: each keeps its node's metadata
+            torch._C._set_grad_enabled(False)  # the copies into mutated inputs carry no gradient (see above)
+            return out
+
+        traced = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="real")(*fakes)
+        # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the 0-d
+        # tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
+        tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
     return traced
 
 

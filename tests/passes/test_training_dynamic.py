@@ -19,7 +19,7 @@ from moe_compile.testing.zoo_blocks import build_block_model
 from .helpers import TOL, first_tensor, max_rel_diff
 
 LENGTHS = (5, 9, 13)
-HF = ("qwen3_moe", "mixtral", "deepseek_v3")
+HF = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gemma4")
 
 
 def _inputs(name: str, model, tokens: int, dtype=torch.float32) -> dict:
@@ -63,7 +63,7 @@ def _run(name: str, dynamic, inner: str = "aot_eager", dtype=torch.float32) -> l
     return rows
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3", "gptfast", "v4_mixtral", "titan_loop"])
+@pytest.mark.parametrize("name", list(HF) + ["gptfast", "v4_mixtral", "titan_loop"])
 def test_one_symbolic_compile_trains_every_length(name):
     rows = _run(name, dynamic=True)
     assert len(rows[0][0]) == 2, rows  # both layers rewritten at the one compile, with symbolic shapes
