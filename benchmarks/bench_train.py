@@ -13,8 +13,9 @@ largest difference of the loss and of every parameter's gradient from eager (rel
 ``moe_npu_opaque`` (``training_backward='op'``: the opaque backward op) and ``moe_npu_loop`` (that op looping over
 the experts) compare the forms in one run; ``inductor_graphs`` and ``moe_npu_graphs`` compile with
 ``mode="reduce-overhead"`` (CUDA graphs of the forward and the backward), ``inductor_dynamic`` and
-``moe_npu_dynamic`` with ``dynamic=True`` (symbolic shapes); ``--profile N`` prints each mode's N ops of most device time,
-``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes ``train.json`` under ``--out``.
+``moe_npu_dynamic`` with ``dynamic=True`` (symbolic shapes); ``--profile N`` prints each mode's N ops of most
+device time, ``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes
+``train.json`` under ``--out``.
 """
 from __future__ import annotations
 
