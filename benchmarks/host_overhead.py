@@ -2,6 +2,7 @@
 
     python benchmarks/host_overhead.py
     python benchmarks/host_overhead.py --ab-helpers   # the whole op with triton's helpers vs ours, alternated
+    python benchmarks/host_overhead.py --tokens 2048  # the CUDA lowering's Python also at 2048 tokens
 
 These figures, each the mean of many calls on this CPU:
 
@@ -54,8 +55,8 @@ def op_kwargs(num_experts: int, top_k: int, lowering: str) -> dict:
                 ep_group_name=None, dispatcher_type=None, tokens_full=True, reduce_results=True, lowering=lowering)
 
 
-def stubbed_decode_inputs():
-    """Every Triton launch stubbed out, and a Qwen3-30B-A3B decode step's tensors (M=1, E=128,
+def stubbed_decode_inputs(tokens: int = 1):
+    """Every Triton launch stubbed out, and a Qwen3-30B-A3B step's tensors (M=``tokens``, default 1, E=128,
     top-8, H=2048, I=768, bf16, HF's transposed weights): ``(x, logits, w13, w2, num_experts, top_k)``."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -64,7 +65,7 @@ def stubbed_decode_inputs():
     for cls in (JITFunction, InterpretedFunction):  # every launch does nothing
         cls.__getitem__ = lambda self, grid: (lambda *args, **kwargs: None)
     e, h, i, k = 128, 2048, 768, 8
-    x, logits = torch.randn(1, h).bfloat16(), torch.randn(1, e).bfloat16()
+    x, logits = torch.randn(tokens, h).bfloat16(), torch.randn(tokens, e).bfloat16()
     w13 = torch.randn(e, 2 * i, h).bfloat16().transpose(1, 2)
     w2 = torch.randn(e, h, i).bfloat16().transpose(1, 2)
     return x, logits, w13, w2, e, k
@@ -138,12 +139,12 @@ def helper_figures() -> None:
               f"ours {mean_us(lambda: ours(*args), 20000):6.2f} us per call")
 
 
-def lowering_figure() -> None:
-    x, logits, w13, w2, e, k = stubbed_decode_inputs()
+def lowering_figure(tokens: int = 1) -> None:
+    x, logits, w13, w2, e, k = stubbed_decode_inputs(tokens)
     from moe_compile import fused_moe
 
     us = mean_us(lambda: fused_moe(x, logits, e, k, w13, w2, renormalize=True, lowering="cuda"), 500)
-    print(f"CUDA lowering Python, Triton launches stubbed (M=1):  {us:8.1f} us")
+    print(f"CUDA lowering Python, Triton launches stubbed (M={tokens}):  {us:8.1f} us")
 
 
 def helpers_ab(rounds: int = 8) -> None:
@@ -184,6 +185,8 @@ def main() -> int:
             helpers_ab()
         else:
             lowering_figure()
+            if "--tokens" in sys.argv:  # also at a training or prefill size (host work that grows with M)
+                lowering_figure(int(sys.argv[sys.argv.index("--tokens") + 1]))
         return 0
     if "--ab-helpers" in sys.argv:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
@@ -192,7 +195,7 @@ def main() -> int:
     plan_lookup_figures()
     helper_figures()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, __file__], env=env).returncode
+    return subprocess.run([sys.executable, __file__] + sys.argv[1:], env=env).returncode
 
 
 if __name__ == "__main__":
