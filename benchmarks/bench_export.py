@@ -63,7 +63,7 @@ def build(mode: str, model, example: dict, workdir: Path):
                 raise
             # torch 2.11 cannot prove a guard of the HF model's own code over the ranged dims (the plain model,
             # before our pass): let export choose the dims' ranges itself
-            print(f"{mode}: ranged dims refused ({str(e).splitlines()[1].strip()}); exporting with Dim.AUTO")
+            print(f"{mode}: ranged dims refused ({' '.join(str(e).split())[:300]}); exporting with Dim.AUTO")
             auto = torch.export.Dim.AUTO
             ep = torch.export.export(model, (), example, dynamic_shapes={"input_ids": {0: auto, 1: auto}})
     rewritten = 0

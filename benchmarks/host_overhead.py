@@ -179,6 +179,15 @@ def helpers_ab(rounds: int = 8) -> None:
         print(f"{side}: {min(t):7.1f} us (best of {rounds} rounds; all: {[round(v, 1) for v in t]})")
 
 
+def _tokens_arg() -> int:
+    """``--tokens N``: a positive int, else a ValueError naming it."""
+    at = sys.argv.index("--tokens") + 1
+    value = sys.argv[at] if at < len(sys.argv) else None
+    if value is None or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--tokens must be followed by a positive int, but got {value!r}")
+    return int(value)
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         if "--ab-helpers" in sys.argv:
@@ -186,8 +195,10 @@ def main() -> int:
         else:
             lowering_figure()
             if "--tokens" in sys.argv:  # also at a training or prefill size (host work that grows with M)
-                lowering_figure(int(sys.argv[sys.argv.index("--tokens") + 1]))
+                lowering_figure(_tokens_arg())
         return 0
+    if "--tokens" in sys.argv:
+        _tokens_arg()  # a bad value is refused here, before the figures
     if "--ab-helpers" in sys.argv:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
         return subprocess.run([sys.executable, __file__, "--ab-helpers"], env=env).returncode

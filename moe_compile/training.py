@@ -38,7 +38,7 @@ def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str |
         if isinstance(t, (torch.SymFloat, torch.SymBool)):
             return ("autograd is recording with a symbolic %s input (%s): compiled without the pass"
                     % (type(t).__name__, t))
-    if _symbolic(example_inputs) and _dynamo_fakes(gm) is None:
+    if _dynamo_fakes(gm) is None and _symbolic(gm, example_inputs):
         return ("autograd is recording with symbolic shapes and the graph's inputs carry no fake values of "
                 "Dynamo's to trace them at: compiled without the pass")
     for node in gm.graph.nodes:
@@ -64,22 +64,14 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    def run(*args):
-        # node by node, so each new node keeps its source node's metadata (the module path the report names)
-        out = _GradModeKeeper(gm).run(*args)
-        # the copies into mutated inputs that functionalize appends next carry no gradient (a parameter is a
-        # leaf; autograd refuses an in-place copy into one that requires grad)
-        torch._C._set_grad_enabled(False)
-        return out
-
-    if _symbolic(example_inputs):
+    if _symbolic(gm, example_inputs):
         traced = _symbolic_trace(gm)
     else:
-        functional = torch.func.functionalize(run, remove="mutations")
+        # node by node, so each new node keeps its source node's metadata (the module path the report names);
         # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
         # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
         with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
-            traced = make_fx(functional, tracing_mode="fake")(*example_inputs)
+            traced = make_fx(_functional(_GradModeKeeper(gm).run), tracing_mode="fake")(*example_inputs)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
@@ -98,22 +90,33 @@ def _symbolic_trace(gm: fx.GraphModule) -> fx.GraphModule:
     fakes = _dynamo_fakes(gm)
     fake_mode = next(t.fake_mode for t in fakes if isinstance(t, torch._subclasses.FakeTensor))
     with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad():
-        unfunctional = make_fx(lambda *args: _GradModeKeeper(gm).run(*args), tracing_mode="real")(*fakes)
-
-        def replay(*args):
-            out = fx.Interpreter(unfunctional).run(*args)  # node by node: each keeps its node's metadata
-            torch._C._set_grad_enabled(False)  # the copies into mutated inputs carry no gradient (see above)
-            return out
-
-        traced = make_fx(torch.func.functionalize(replay, remove="mutations"), tracing_mode="real")(*fakes)
+        unfunctional = make_fx(_GradModeKeeper(gm).run, tracing_mode="real")(*fakes)
+        # replayed node by node (an Interpreter), so each node keeps its metadata
+        traced = make_fx(_functional(fx.Interpreter(unfunctional).run), tracing_mode="real")(*fakes)
         # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the 0-d
         # tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
         tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
     return traced
 
 
-def _symbolic(example_inputs) -> bool:
-    return any(isinstance(t, torch.SymInt) for t in example_inputs)
+def _functional(run):
+    """``run`` functionalised, mutations of its inputs copied back at the end. Those copies carry no gradient (a
+    parameter is a leaf; autograd refuses an in-place copy into one that requires grad), so grad mode is off for
+    them."""
+    def run_then_no_grad(*args):
+        out = run(*args)
+        torch._C._set_grad_enabled(False)
+        return out
+
+    return torch.func.functionalize(run_then_no_grad, remove="mutations")
+
+
+def _symbolic(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether the graph has symbolic sizes: SymInt inputs, or an input Dynamo traced with a symbolic size."""
+    if any(isinstance(t, torch.SymInt) for t in example_inputs):
+        return True
+    fakes = _dynamo_fakes(gm) or []
+    return any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in fakes)
 
 
 def _dynamo_fakes(gm: fx.GraphModule):

@@ -100,3 +100,25 @@ def test_bf16_backward_traced_with_a_symbolic_length(monkeypatch):
     rows = _run("v4_mixtral", dynamic=True, dtype=torch.bfloat16)
     assert [len(r[0]) for r in rows] == [2, 0, 0], rows
     assert all(r[1] <= TOL[torch.bfloat16] and r[2] <= TOL[torch.bfloat16] for r in rows), rows
+
+
+def test_a_symbolic_size_without_a_symint_input_is_seen():
+    """A graph whose inputs Dynamo traced with a symbolic size counts as symbolic even without a SymInt input, so it
+    is never traced at the example's concrete sizes (which would bake one length into the graph)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from moe_compile import training
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(x)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    real = torch.randn(3, 4)
+    x.meta["example_value"] = FakeTensorMode().from_tensor(real)
+    assert not training._symbolic(gm, [real])
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x.meta["example_value"] = mode.from_tensor(real, symbolic_context=context, source=ConstantSource("x"))
+    assert training._symbolic(gm, [real])
