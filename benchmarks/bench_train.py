@@ -2,7 +2,8 @@
 
     python benchmarks/bench_train.py [--model qwen3] [--hidden 512] [--inter 256] [--experts 32] [--top-k 4]
         [--layers 2] [--batch 4] [--seq 128] [--device cpu] [--dtype float32] [--reps 10] [--inner inductor]
-        [--modes eager inductor moe_npu [moe_npu_opaque moe_npu_loop]] [--profile N] [--host-profile N] [--out DIR]
+        [--modes eager inductor moe_npu [moe_npu_opaque moe_npu_loop]] [--profile N] [--host-profile N]
+        [--compile-profile N] [--out DIR]
 
 For each mode: the first step's time (the compile), the median step time (``bench_cpu_layer.interleaved_ms``:
 each rep runs every mode in turn), the bytes autograd holds for the backward after the forward (tensors saved
@@ -14,8 +15,9 @@ largest difference of the loss and of every parameter's gradient from eager (rel
 the experts) compare the forms in one run; ``inductor_graphs`` and ``moe_npu_graphs`` compile with
 ``mode="reduce-overhead"`` (CUDA graphs of the forward and the backward), ``inductor_dynamic`` and
 ``moe_npu_dynamic`` with ``dynamic=True`` (symbolic shapes); ``--profile N`` prints each mode's N ops of most
-device time, ``--host-profile N`` its N Python functions of most own time (cProfile). Prints a table; writes
-``train.json`` under ``--out``.
+device time, ``--host-profile N`` its N Python functions of most own time (cProfile), ``--compile-profile N`` the N
+of most cumulative time in its first step (the compile; that step is then timed under cProfile). Prints a table;
+writes ``train.json`` under ``--out``.
 """
 from __future__ import annotations
 
@@ -114,8 +116,9 @@ def profile_table(run, batches: list, rows: int) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
-def host_profile(run, batches: list, rows: int) -> str:
-    """cProfile's ``rows`` Python functions of most own time over 3 calls of ``run`` (where the host's time goes)."""
+def host_profile(run, batches: list, rows: int, sort: str = "tottime") -> str:
+    """cProfile's ``rows`` Python functions of most own time (``sort="cumulative"``: of most time inside them) over
+    a call of ``run`` per batch (where the host's time goes; three batches at most)."""
     import cProfile
     import io
     import pstats
@@ -126,7 +129,7 @@ def host_profile(run, batches: list, rows: int) -> str:
         run(b)
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(rows)
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(rows)
     return out.getvalue()
 
 
@@ -147,6 +150,9 @@ def main(argv=None) -> int:
                         help="after timing, profile 3 steps of each mode and print its N kernels of most device time")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N",
                         help="after timing, cProfile 3 steps of each mode and print its N functions of most own time")
+    parser.add_argument("--compile-profile", type=int, default=0, metavar="N",
+                        help="cProfile each mode's first step (its compile) and print its N functions of most "
+                        "cumulative time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -164,7 +170,14 @@ def main(argv=None) -> int:
     for mode in args.modes:
         fns[mode] = compiled(mode, model, args.inner)
         start = time.perf_counter()
-        loss, grads = step(model, fns[mode], first, mode)
+        if args.compile_profile:
+            result = []
+            table = host_profile(lambda b: result.append(step(model, fns[mode], b, mode)), [first],
+                                 args.compile_profile, sort="cumulative")
+            print(f"\n{mode}: the {args.compile_profile} functions of most cumulative time in the first step\n{table}")
+            loss, grads = result[0]
+        else:
+            loss, grads = step(model, fns[mode], first, mode)
         worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in ref_grads.items())
         first_s = time.perf_counter() - start
         with backward_path(mode):
