@@ -13,6 +13,8 @@ Symbolic shapes (``dynamic=True``, or Dynamo's recompile with a symbolic length 
 at Dynamo's own fake inputs, in its shape environment, as AOTAutograd traces, so the guards the trace adds are the
 compiled graph's and one compile serves every length; Python floats Dynamo made inputs are turned back into tensor
 arithmetic as AOTAutograd does (and a float it must specialise restarts Dynamo's analysis, as it would without us).
+A graph with a data-dependent size (an unbacked symbol: boolean-mask indexing, ``nonzero``) is traced the same way
+at static shapes too, its unbacked symbols rebound to Dynamo's and the Python dispatcher on, as AOTAutograd traces.
 
 Left alone, with the reason: graphs that enter inference mode or forward-mode AD, graphs holding
 higher-order ops or functorch transforms (``vmap`` in a mask function, a Mamba scan: the trace's own
@@ -64,7 +66,7 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if _symbolic(gm, example_inputs):
+    if _symbolic(gm, example_inputs) or (_dynamo_fakes(gm) is not None and _unbacked(gm)):
         traced = _symbolic_trace(gm)
     else:
         # node by node, so each new node keeps its source node's metadata (the module path the report names);
@@ -83,16 +85,20 @@ def _symbolic_trace(gm: fx.GraphModule) -> fx.GraphModule:
     fake keeps the value its ``.item()`` gives). Two passes: ``torch.func.functionalize`` reads the sizes of the
     composite ops it runs as ints (``F.linear`` with a bias on a 3-D input), which would specialise every length,
     so the graph is first traced to aten ops as it is, then that graph is functionalised."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.fx.passes._tensorify_python_scalars import tensorify_python_scalars
 
     fakes = _dynamo_fakes(gm)
     fake_mode = next(t.fake_mode for t in fakes if isinstance(t, torch._subclasses.FakeTensor))
-    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad():
+    # the Python dispatcher, as Dynamo and AOTAutograd trace: ops whose C++ meta takes only concrete sizes
+    # (``constant_pad_nd`` padding by a symbolic amount) run their Python meta
+    with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad(), \
+            enable_python_dispatcher():
         unfunctional = make_fx(_GradModeKeeper(gm).run, tracing_mode="real")(*fakes)
         # replayed node by node (an Interpreter), so each node keeps its metadata
-        traced = make_fx(_functional(fx.Interpreter(unfunctional).run), tracing_mode="real")(*fakes)
+        traced = make_fx(_functional(_Rebinding(unfunctional).run), tracing_mode="real")(*fakes)
         # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the 0-d
         # tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
         tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
@@ -119,13 +125,41 @@ def _symbolic(gm: fx.GraphModule, example_inputs) -> bool:
     return any(isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape) for v in fakes)
 
 
+def _unbacked(gm: fx.GraphModule) -> bool:
+    """Whether a value Dynamo traced has a data-dependent size (an unbacked symbol: boolean-mask indexing,
+    ``nonzero``), which only Dynamo's shape environment can trace again, also in a graph of static input sizes."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(value):
+            return True
+    return False
+
+
 def _dynamo_fakes(gm: fx.GraphModule):
     """The graph's inputs as Dynamo traced them (fake tensors with its symbolic sizes, its SymInts), or None."""
     values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
     return None if any(v is None for v in values) else values
 
 
-class _GradModeKeeper(fx.Interpreter):
+class _Rebinding(fx.Interpreter):
+    """Runs a graph node by node; where a node made a data-dependent size (an unbacked symbol) when it was traced,
+    the new run's symbol is bound to that one in the shape environment (as AOTAutograd's retrace does), so what
+    the first trace knew of it (runtime asserts, ranges) holds for the new one."""
+
+    def run_node(self, n: fx.Node):
+        from torch._guards import detect_fake_mode
+        from torch.fx.experimental.symbolic_shapes import rebind_unbacked
+
+        result = super().run_node(n)
+        mode = detect_fake_mode() if n.meta.get("unbacked_bindings") else None
+        if mode is not None and mode.shape_env is not None:
+            rebind_unbacked(mode.shape_env, n, result)
+        return result
+
+
+class _GradModeKeeper(_Rebinding):
     """Runs Dynamo's graph node by node; a value computed while the graph has grad mode off (its
     ``_set_grad_enabled(False)`` nodes run here as they do in the model) is detached, so the aten graph, which
     keeps no grad mode, keeps its meaning: autograd does not go through that value (``aten.detach`` is a

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -83,6 +84,16 @@ def test_training_mode_compares_every_gradient(capsys):
     assert check_zoo.main(["--training", "--families", "qwen3_moe", "--tokens", "5", "--tol", "1e-4"]) == 0
     out = capsys.readouterr().out
     assert "'rewritten': 2" in out and " grads " in out and "none flagged" in out, out
+
+
+def test_training_with_dynamic_compiles_once_for_every_count(capsys):
+    """``--training --dynamic``: ``dynamic=True``, so the two token counts share one symbolic graph (two layers
+    rewritten once, not per count) and its gradients still match eager."""
+    assert check_zoo.main(["--training", "--dynamic", "--families", "qwen3_moe", "--tokens", "5", "9",
+                           "--tol", "1e-4"]) == 0
+    out = capsys.readouterr().out
+    assert "'rewritten': 2}" in out and "none flagged" in out, out
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # no recompile at the second count
 
 
 def test_a_wrong_gradient_is_flagged_by_tol(capsys, monkeypatch):

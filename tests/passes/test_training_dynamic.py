@@ -122,3 +122,38 @@ def test_a_symbolic_size_without_a_symint_input_is_seen():
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
     x.meta["example_value"] = mode.from_tensor(real, symbolic_context=context, source=ConstantSource("x"))
     assert training._symbolic(gm, [real])
+
+
+class _MaskedPad(torch.nn.Module):
+    """A prefix with a data-dependent size (boolean-mask indexing: an unbacked symbol) padded back to the length by
+    that symbolic amount (``constant_pad_nd``, whose C++ meta takes only concrete pads), as GLM-5-Next's indexer
+    does, in front of a MoE model."""
+
+    def __init__(self, inner: torch.nn.Module, hidden: int):
+        super().__init__()
+        self.inner, self.proj = inner, torch.nn.Linear(hidden, hidden)
+
+    def forward(self, hidden_states):
+        keep = hidden_states[0, :, 0] > 0
+        picked = hidden_states[:, keep]
+        padded = torch.nn.functional.pad(picked, (0, 0, 0, hidden_states.shape[1] - picked.shape[1]))
+        return self.inner(hidden_states=hidden_states + self.proj(padded))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_data_dependent_size_is_traced_in_dynamos_shape_env(dynamic):
+    """A training graph holding an unbacked size is traced at Dynamo's fakes in its shape environment, with the
+    unbacked symbols rebound and the Python dispatcher on (as AOTAutograd traces), also at static shapes; before,
+    it was left alone ("could not be traced to aten")."""
+    inner = _model("v4_mixtral")
+    model = _MaskedPad(inner, next(inner.parameters()).shape[-1])
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="moe_npu", dynamic=dynamic, options={"inner_compiler": "aot_eager"})
+    for tokens in (5, 9):
+        kwargs = _inputs("v4_mixtral", model, tokens)
+        ref_out, ref_grads = _step(model, kwargs)
+        with collecting() as report:
+            out, grads = _step(model, kwargs, compiled)
+        assert not report.skipped and len(report.rewritten) == (2 if tokens == 5 or not dynamic else 0), report
+        assert max_rel_diff(out, ref_out) <= TOL[torch.float32]
+        assert max(max_rel_diff(grads[n], ref_grads[n]) for n in ref_grads) <= TOL[torch.float32]
