@@ -214,10 +214,10 @@ def _routing_grad(grad_weights: torch.Tensor, router_logits: torch.Tensor, bias:
     return torch.autograd.grad(weights, logits, grad_weights.reshape(weights.shape))[0].contiguous()
 
 
-def _moe_grads(grad_out, hidden_states, router_logits, w13, w2, b13, b2, bias, needs, transposed, scalars,
-               routing_grad) -> list[Optional[torch.Tensor]]:
-    """``fused_moe``'s gradients (None where ``needs`` says no); ``routing_grad(grad_weights, logits, bias, cfg)``
-    gives the logits' gradient from the routing weights'."""
+def _moe_grads(grad_out, hidden_states, router_logits, w13, w2, b13, b2, bias, needs, transposed,
+               scalars) -> list[Optional[torch.Tensor]]:
+    """``fused_moe``'s gradients (None where ``needs`` says no). Traced into a backward graph (bf16), the routing's
+    autograd (``_routing_grad``) is traced too: its ops are the graph's own nodes, as the GEMMs are."""
     cfg = _moe_config(scalars, bias is not None)
     _check_single_device(cfg, "fused_moe_backward")
     hidden = hidden_states.shape[-1]
@@ -226,7 +226,7 @@ def _moe_grads(grad_out, hidden_states, router_logits, w13, w2, b13, b2, bias, n
     grads = experts_backward(grad_out.reshape(-1, hidden), hidden_states.reshape(-1, hidden), weights, ids, w13, w2,
                              b13, b2, cfg.experts, list(needs), tuple(transposed))
     dx, dweights = grads[0], grads[1]
-    dlogits = routing_grad(dweights, router_logits, bias, cfg) if needs[1] else None
+    dlogits = _routing_grad(dweights, router_logits, bias, cfg) if needs[1] else None
     return [None if dx is None else dx.reshape(hidden_states.shape), dlogits, *grads[2:]]
 
 
@@ -241,21 +241,7 @@ def fused_moe_backward_op(
     through a permute of an [E, N, K] parameter (their gradients are laid out so). ``scalars``: the op's 21
     scalar arguments as a JSON list (``packed.unpack``)."""
     return _filled(_moe_grads(grad_out, hidden_states, router_logits, w13_weight, w2_weight, w13_bias, w2_bias,
-                              e_score_correction_bias, needs, transposed, scalars, _routing_grad), grad_out)
-
-
-@op("moe_compile::routing_backward")
-def routing_backward_op(grad_weights: torch.Tensor, router_logits: torch.Tensor,
-                        e_score_correction_bias: Optional[torch.Tensor], scalars: str) -> torch.Tensor:
-    """The router logits' gradient from the routing weights' (``[T*, top_k]``) under ``fused_moe``'s routing
-    (``scalars`` as ``fused_moe_backward`` takes them): the one opaque step of a backward traced into the graph."""
-    cfg = _moe_config(scalars, e_score_correction_bias is not None)
-    return _routing_grad(grad_weights, router_logits, e_score_correction_bias, cfg)
-
-
-@routing_backward_op.register_fake
-def _routing_backward_fake(grad_weights, router_logits, e_score_correction_bias, scalars):
-    return torch.empty(router_logits.shape, dtype=router_logits.dtype, device=router_logits.device)
+                              e_score_correction_bias, needs, transposed, scalars), grad_out)
 
 
 @fused_moe_backward_op.register_fake
@@ -354,11 +340,8 @@ def _fused_moe_grads(ctx, grad_out):
     x, logits, w13, w2, b13, b2, bias = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:6])
     if ctx.in_graph:
-        def routing(grad_weights, router_logits, e_bias, cfg):
-            return torch.ops.moe_compile.routing_backward(grad_weights, router_logits, e_bias, ctx.scalars)
-
         grads = _moe_grads(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias, needs, ctx.transposed,
-                           ctx.scalars, routing)
+                           ctx.scalars)
     else:
         grads = torch.ops.moe_compile.fused_moe_backward(grad_out.contiguous(), x, logits, w13, w2, b13, b2, bias,
                                                          needs, ctx.transposed, ctx.scalars)
@@ -381,5 +364,4 @@ def _fused_experts_grads(ctx, grad_out):
 co.fused_moe_op.register_autograd(_fused_moe_grads, setup_context=functools.partial(_setup, w13_at=2))
 co.fused_experts_op.register_autograd(_fused_experts_grads, setup_context=functools.partial(_setup, w13_at=3))
 
-__all__ = ["backward_in_graph", "experts_backward", "fused_experts_backward_op", "fused_moe_backward_op",
-           "routing_backward_op"]
+__all__ = ["backward_in_graph", "experts_backward", "fused_experts_backward_op", "fused_moe_backward_op"]

@@ -212,9 +212,10 @@ def test_no_grad_regions_and_detaches_keep_their_meaning(detach):
 
 @pytest.mark.parametrize("in_graph", [True, False], ids=["in_graph", "opaque_op"])
 def test_bf16_training_step_within_bf16_tolerance(in_graph, backward_calls, monkeypatch):
-    """bf16: the backward's grouped GEMMs are traced into the graph (AOTAutograd calls ``experts_backward`` once,
-    while compiling; the step then runs the graph's ops and the routing's opaque op), or, when that is off, run by
-    the opaque ``fused_moe_backward`` op during the step (``options['training_backward'] = 'op'``)."""
+    """bf16: the backward's grouped GEMMs and the routing's autograd are traced into the graph (AOTAutograd calls
+    ``experts_backward`` and ``_routing_grad`` once, while compiling; the step then runs the graph's ops alone), or,
+    when that is off, run by the opaque ``fused_moe_backward`` op during the step (``options['training_backward'] =
+    'op'``)."""
     routing_calls = []
     real_routing = ag._routing_grad
     monkeypatch.setattr(ag, "_routing_grad", lambda *a: routing_calls.append(1) or real_routing(*a))
@@ -225,7 +226,7 @@ def test_bf16_training_step_within_bf16_tolerance(in_graph, backward_calls, monk
     assert report.rewritten == ["layers.0.moe"], str(report)
     out = first_tensor(report.output)
     assert max_rel_diff(out, ref_out) <= TOL[torch.bfloat16]
-    assert len(backward_calls) == (1 if in_graph else 0)
+    assert len(backward_calls) == len(routing_calls) == (1 if in_graph else 0)
     model.zero_grad(set_to_none=True)
     (out.float() * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
     assert len(backward_calls) == 1 and len(routing_calls) == 1
