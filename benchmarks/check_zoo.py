@@ -133,12 +133,13 @@ def check_training(name: str, args) -> tuple[dict, float, float, bool]:
     ours = torch.compile(model, backend="moe_npu", dynamic=bool(args.dynamic), options=options)
     from moe_compile.report import collecting
 
-    to_eager, grads = 0.0, 0.0
+    to_eager, grads, skipped = 0.0, 0.0, []
     for tokens in args.tokens:
         kwargs = {k: v.to(args.device) if isinstance(v, torch.Tensor) else v
                   for k, v in zoo.build_inputs(name, num_tokens=tokens, seed=tokens).items()}
         with collecting() as report:
             out, got = _train_step(model, ours, kwargs)
+        skipped += report.skipped  # every compile's (with symbolic sizes, the first count's alone)
         ref, want = _train_step(model, model, kwargs)
         to_eager = max(to_eager, _rel(out, ref))
         # a gradient that is zero in exact arithmetic (a key bias under softmax) is compared at a floor
@@ -146,12 +147,14 @@ def check_training(name: str, args) -> tuple[dict, float, float, bool]:
         grads = max([grads] + [float((got[n] - w).abs().max()) / max(float(w.abs().max()), floor) if n in got
                                else float("inf") for n, w in want.items()])
     counters = dict(torch._dynamo.utils.counters["moe_compile"])
-    refused = [why for path, why in report.skipped if path == "<graph>"]
+    refused = [why for path, why in skipped if path == "<graph>"]
     if refused:  # a training graph the backend leaves alone, with its reason: not a miss
         print(f"{name:<20} left alone: {refused[0][:150]}")
     compiles = 1 if args.dynamic else len(args.tokens)  # symbolic sizes: one graph for every token count
     missing = not refused and expected_rewritten(name) and counters.get("rewritten", 0) < zoo.expected_moe_layers(
         name) * compiles
+    if missing and skipped:
+        print(f"{name:<20} a block skipped: {skipped[0][0]}: {skipped[0][1][:150]}")
     far = args.tol is not None and max(to_eager, grads) > args.tol
     return counters, to_eager, grads, missing or far or bool(counters.get("pass_failed"))
 
