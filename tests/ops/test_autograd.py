@@ -140,6 +140,38 @@ def test_bf16_gradients_within_bf16_tolerance(path):
         _check(a, b, torch.bfloat16, "bf16")
 
 
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_bf16_backward_traced_into_the_graph_for_every_routing(routing, monkeypatch):
+    """bf16 under AOTAutograd: the experts' grouped GEMMs and the routing's autograd are traced into the backward
+    graph (``_routing_grad`` runs while the graph is traced, not when it runs), with gradients as the dense
+    reference's within bf16's tolerance, for every routing method."""
+    if not ag.experts_grad.traceable(torch.bfloat16):
+        pytest.skip("this torch's fake _grouped_mm does not take bf16")
+    calls = []
+    real = ag._routing_grad
+    monkeypatch.setattr(ag, "_routing_grad", lambda *a: calls.append(1) or real(*a))
+    kw = dict(ROUTINGS[routing])
+    top_k, has_bias = kw.pop("top_k", 2), kw.pop("bias", False)
+    x, logits, w13, w2, _, _ = _tensors(torch.bfloat16, "silu", False, seed=2)
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(7)) * 0.1 if has_bias else None
+
+    def block(x, logits, w13, w2):
+        return moe_compile.fused_moe(x, logits, E, top_k, w13, w2, e_score_correction_bias=bias, **kw)
+
+    torch._dynamo.reset()  # each routing its own compile (the closure differs)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    weights, ids = select_experts(logits, _routing_config({**kw, "bias": has_bias}, top_k), bias)
+    ref = _dense(x, weights, ids, w13, w2, None, None, "silu", on_input=kw.get("apply_router_weight_on_input", False))
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    inputs = [x, logits, w13, w2]
+    want = torch.autograd.grad(ref.float(), inputs, g.float())
+    for step in range(2):
+        got = torch.autograd.grad(compiled(*inputs), inputs, g)
+        for name, a, b in zip(["x", "logits", "w13", "w2"], got, want):
+            _check(a, b, torch.bfloat16, f"{name}, step {step}")
+    assert len(calls) == 1  # at the trace; the second step ran the graph's own ops
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_experts_gradients_reach_the_routing_weights(path, dtype):
     """bf16 runs the backward's ops directly (the form traced into a graph), fp32 the opaque op."""
