@@ -16,7 +16,12 @@ arithmetic as AOTAutograd does (and a float it must specialise restarts Dynamo's
 A graph with a data-dependent size (an unbacked symbol: boolean-mask indexing, ``nonzero``) is traced the same way
 at static shapes too, its unbacked symbols rebound to Dynamo's and the Python dispatcher on, as AOTAutograd traces.
 
-Left alone, with the reason: graphs that enter inference mode or forward-mode AD, graphs holding
+Activation checkpointing (``torch.utils.checkpoint``, non-reentrant: Dynamo's ``tag_activation_checkpoint``) is
+run by the trace as AOTAutograd runs it, so the region's ops carry their ``recompute`` tags, and the nodes the pass
+makes inherit the replaced block's (``passes/rewrite.py``). Saved-tensor hooks the step runs under are not traced
+(as AOTAutograd does not trace them); they run around the compiled graph.
+
+Left alone, with the reason: graphs that enter inference mode or forward-mode AD, graphs holding other
 higher-order ops or functorch transforms (``vmap`` in a mask function, a Mamba scan: the trace's own
 functionalization is a functorch transform and does not nest with them), and expert- or tensor-parallel
 blocks; on NPU (TorchAir) training graphs are compiled without the pass.
@@ -51,6 +56,8 @@ def refusal(gm: fx.GraphModule, example_inputs, config, torchair: bool) -> str |
             return ("autograd is recording and the graph enters %s (%s): compiled without the pass"
                     % (name, node.format_node()[:100]))
         module = getattr(node.target, "__module__", None) or ""
+        if name == "tag_activation_checkpoint":  # traced as AOTAutograd traces it (its ops tagged for recompute)
+            continue
         if isinstance(node.target, torch._ops.HigherOrderOperator) or "_functorch" in module:
             return ("autograd is recording and the graph holds %s (a higher-order op or a functorch transform, e.g. "
                     "vmap): training graphs with them are compiled without the pass" % name)
@@ -66,14 +73,17 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    if _symbolic(gm, example_inputs) or (_dynamo_fakes(gm) is not None and _unbacked(gm)):
-        traced = _symbolic_trace(gm)
-    else:
-        # node by node, so each new node keeps its source node's metadata (the module path the report names);
-        # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
-        # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
-        with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
-            traced = make_fx(_functional(_GradModeKeeper(gm).run), tracing_mode="fake")(*example_inputs)
+    # saved-tensor hooks the step runs under (``save_on_cpu``, a memory probe) are not traced, as AOTAutograd
+    # does not trace them: they would be handed fake tensors; they run around the compiled graph instead
+    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        if _symbolic(gm, example_inputs) or (_dynamo_fakes(gm) is not None and _unbacked(gm)):
+            traced = _symbolic_trace(gm)
+        else:
+            # node by node, so each new node keeps its source node's metadata (the module path the report names);
+            # outside Dynamo's tracing context: make_fx would take its fake mode, and the guards our trace adds to
+            # Dynamo's shape environment (on symbols no source of Dynamo's names) would break its guard building
+            with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), torch.enable_grad():
+                traced = make_fx(_functional(_GradModeKeeper(gm).run), tracing_mode="fake")(*example_inputs)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced

@@ -9,6 +9,7 @@ Weights that are not graph inputs are copies taken at compile time.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import operator
@@ -41,6 +42,19 @@ def _set_val(node: fx.Node, template: fx.Node) -> None:
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in template.meta:
             node.meta[key] = template.meta[key]
+
+
+@contextlib.contextmanager
+def _in_checkpoint_region(graph: fx.Graph, out: fx.Node):
+    """Nodes made within carry the replaced block's activation-checkpoint tags (``recompute``, ``ac_graph_id``:
+    the block ran under ``torch.utils.checkpoint``), so AOTAutograd's partitioner recomputes the stacked weights
+    and the fused op's inputs in the backward as it would have the block's own ops, instead of saving them."""
+    tags = {key: out.meta[key] for key in ("recompute", "ac_graph_id") if key in out.meta}
+    before = set(graph.nodes) if tags else set()
+    yield
+    for node in graph.nodes if tags else ():
+        if node not in before:
+            node.meta.update(tags)
 
 
 def _call(graph: fx.Graph, target, args, template: fx.Node, kwargs=None) -> fx.Node:
@@ -295,7 +309,7 @@ def rewrite_block(gm: fx.GraphModule, match: BlockMatch, values: dict, op_kwargs
     out = match.output
     anchor = match.anchor
     routing, experts = match.routing, match.experts.config
-    with graph.inserting_before(out):
+    with graph.inserting_before(out), _in_checkpoint_region(graph, out):
         w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, anchor.x, training)
         bias = None
         if routing.has_correction_bias:
@@ -375,7 +389,7 @@ def rewrite_experts(gm: fx.GraphModule, match, values: dict, op_kwargs: dict, gr
     their intermediate columns (TP), made as ``rewrite_block`` makes them."""
     graph = gm.graph
     out, anchor, experts = match.output, match.anchor, match.experts.config
-    with graph.inserting_before(out):
+    with graph.inserting_before(out), _in_checkpoint_region(graph, out):
         w13, w2, b13, b2 = _expert_weights(gm, match, values, groups, match.x_view, training)
         act_dtype = val(w13).dtype
         x = _in_dtype(graph, match.x_view, act_dtype, match.x_view)
