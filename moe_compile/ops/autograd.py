@@ -1,6 +1,8 @@
 """The fused ops' backward, so training graphs can run them.
 
-The forward stays the lowering's kernels. The backward is one opaque op per fused op,
+The forward stays the lowering's kernels. The backward is the same math in one of two forms: traced into the
+backward graph as aten ops where the grouped GEMMs can be traced (bf16: ``backward_in_graph``; the routing's
+autograd too), else one opaque op per fused op,
 ``moe_compile::fused_moe_backward`` / ``fused_experts_backward``: the routing is recomputed under autograd
 (``select_experts``), the experts' backward is written out (``experts_backward``: the pairs sorted by expert,
 each expert hit recomputing its first GEMM and running four backward GEMMs), and autograd carries the routing
