@@ -23,13 +23,14 @@ from .helpers import TOL, max_rel_diff
 class _Checkpointed(torch.nn.Module):
     """The block model's layers, each under ``torch.utils.checkpoint`` (or not, ``use=False``)."""
 
-    def __init__(self, model: torch.nn.Module, use: bool = True, reentrant: bool = False):
+    def __init__(self, model: torch.nn.Module, use: bool = True, reentrant: bool = False, context_fn=None):
         super().__init__()
         self.model, self.use, self.reentrant = model, use, reentrant
+        self.extra = {} if context_fn is None else {"context_fn": context_fn}
 
     def forward(self, hidden_states):
         for layer in self.model.layers:
-            hidden_states = (checkpoint(layer, hidden_states, use_reentrant=self.reentrant) if self.use
+            hidden_states = (checkpoint(layer, hidden_states, use_reentrant=self.reentrant, **self.extra) if self.use
                              else layer(hidden_states))
         return self.model.norm(hidden_states)
 
@@ -99,6 +100,25 @@ def test_the_new_nodes_carry_the_checkpoint_tags(monkeypatch):
     assert len(fused) == 1 and stacks
     for node in fused + stacks:
         assert node.meta.get("ac_graph_id") is not None and node.meta.get("recompute") is not None, node
+
+
+def test_selective_checkpointing_with_a_policy():
+    """Selective activation checkpointing (a ``context_fn`` policy that saves matmul outputs, as torchtitan's does):
+    the blocks are rewritten and the gradients are eager's."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+    model, kwargs = build_block_model("v4_mixtral", num_layers=2, num_tokens=16, batch=2)
+    model.train()
+    ref = _step(model, _Checkpointed(model, context_fn=context_fn), kwargs)
+    report, result = _compiled_step(model, _Checkpointed(model, context_fn=context_fn), kwargs)
+    assert len(report.rewritten) == 2 and not report.skipped, str(report)
+    _assert_matches(result, ref)
 
 
 def test_reentrant_checkpoint_trains_through_the_rewritten_blocks():
