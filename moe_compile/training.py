@@ -28,6 +28,8 @@ blocks; on NPU (TorchAir) training graphs are compiled without the pass.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 
@@ -75,7 +77,8 @@ def trace_to_aten(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
 
     # saved-tensor hooks the step runs under (``save_on_cpu``, a memory probe) are not traced, as AOTAutograd
     # does not trace them: they would be handed fake tensors; they run around the compiled graph instead
-    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+    no_hooks = getattr(torch._dynamo.utils, "_disable_saved_tensors_hooks_during_tracing", contextlib.nullcontext)
+    with no_hooks():
         if _symbolic(gm, example_inputs) or (_dynamo_fakes(gm) is not None and _unbacked(gm)):
             traced = _symbolic_trace(gm)
         else:
