@@ -32,6 +32,7 @@ import contextlib
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import PropagateUnbackedSymInts
 
 # grad-mode changes other than Dynamo's _set_grad_enabled nodes (which the trace keeps: _GradModeKeeper)
 _OTHER_GRAD_MODES = ("inference_mode", "_enter_inference_mode", "_set_fwd_grad_enabled", "_enter_dual_level")
@@ -110,8 +111,9 @@ def _symbolic_trace(gm: fx.GraphModule) -> fx.GraphModule:
     with fx_traceback.preserve_node_meta(), torch._guards.tracing(None), fake_mode, torch.enable_grad(), \
             enable_python_dispatcher():
         unfunctional = make_fx(_GradModeKeeper(gm).run, tracing_mode="real")(*fakes)
-        # replayed node by node (an Interpreter), so each node keeps its metadata
-        traced = make_fx(_functional(_Rebinding(unfunctional).run), tracing_mode="real")(*fakes)
+        # replayed node by node (an Interpreter), so each node keeps its metadata; a node that made a data-dependent
+        # size (an unbacked symbol) has the new run's symbol bound to the first one (as AOTAutograd's retrace does)
+        traced = make_fx(_functional(PropagateUnbackedSymInts(unfunctional).run), tracing_mode="real")(*fakes)
         # Python floats Dynamo made inputs (dynamic=True) are read by .item(): their arithmetic back on the 0-d
         # tensors, as AOTAutograd does, so the pass sees a routing scale as it does in inference
         tensorify_python_scalars(traced, fake_mode.shape_env, fake_mode)
@@ -156,27 +158,11 @@ def _dynamo_fakes(gm: fx.GraphModule):
     return None if any(v is None for v in values) else values
 
 
-class _Rebinding(fx.Interpreter):
-    """Runs a graph node by node; where a node made a data-dependent size (an unbacked symbol) when it was traced,
-    the new run's symbol is bound to that one in the shape environment (as AOTAutograd's retrace does), so what
-    the first trace knew of it (runtime asserts, ranges) holds for the new one."""
-
-    def run_node(self, n: fx.Node):
-        from torch._guards import detect_fake_mode
-        from torch.fx.experimental.symbolic_shapes import rebind_unbacked
-
-        result = super().run_node(n)
-        mode = detect_fake_mode() if n.meta.get("unbacked_bindings") else None
-        if mode is not None and mode.shape_env is not None:
-            rebind_unbacked(mode.shape_env, n, result)
-        return result
-
-
-class _GradModeKeeper(_Rebinding):
-    """Runs Dynamo's graph node by node; a value computed while the graph has grad mode off (its
-    ``_set_grad_enabled(False)`` nodes run here as they do in the model) is detached, so the aten graph, which
-    keeps no grad mode, keeps its meaning: autograd does not go through that value (``aten.detach`` is a
-    view, and functionalization keeps it)."""
+class _GradModeKeeper(PropagateUnbackedSymInts):
+    """Runs Dynamo's graph node by node (rebinding unbacked symbols, as its base does); a value computed while
+    the graph has grad mode off (its ``_set_grad_enabled(False)`` nodes run here as they do in the model) is
+    detached, so the aten graph, which keeps no grad mode, keeps its meaning: autograd does not go through that
+    value (``aten.detach`` is a view, and functionalization keeps it)."""
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
