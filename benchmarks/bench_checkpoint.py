@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, not installed
 
 from benchmarks.bench_cpu_layer import interleaved_ms  # noqa: E402
+from moe_compile.testing.memory import SavedBytes  # noqa: E402
 
 
 class Checkpointed(torch.nn.Module):
@@ -42,21 +43,13 @@ class Checkpointed(torch.nn.Module):
         return self.model.norm(hidden_states)
 
 
-def step(model, fn, x: torch.Tensor, held: dict | None = None) -> dict:
-    """One training step; the parameters' gradients. ``held``: filled with the saved tensors' storages."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if held is not None and ptr not in params:
-            held[ptr] = max(held.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
+def step(model, fn, x: torch.Tensor) -> tuple[dict, int]:
+    """One training step: (the parameters' gradients, bytes held for the backward)."""
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model) as held:
         out = fn(hidden_states=x)
     (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, held.bytes
 
 
 def main(argv=None) -> int:
@@ -79,19 +72,18 @@ def main(argv=None) -> int:
     model, kwargs = build_block_model(args.style, num_layers=args.layers, num_tokens=args.tokens, batch=args.batch)
     model.train()
     x = kwargs["hidden_states"]
-    ref = step(model, model, x)
+    ref, _ = step(model, model, x)
     rows, fns = [], {}
     for use in (False, True):
         for backend in (args.inner, "moe_npu"):
             torch._dynamo.reset()
             options = {"options": {"inner_compiler": args.inner}} if backend == "moe_npu" else {}
             fn = torch.compile(Checkpointed(model, use), backend=backend, **options)
-            held: dict = {}
             with collecting() as report:
-                grads = step(model, fn, x, held)
+                grads, held = step(model, fn, x)
             name = f"{backend}{' + checkpoint' if use else ''}"
             worst = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)) for n, g in ref.items())
-            rows.append(dict(row=name, rewritten=len(report.rewritten), held_kib=sum(held.values()) / 2**10,
+            rows.append(dict(row=name, rewritten=len(report.rewritten), held_kib=held / 2**10,
                              grad_rel_diff=worst))
             fns[name] = fn
     ms = interleaved_ms({name: (lambda b, fn=fn: step(model, fn, b)) for name, fn in fns.items()}, [x], args.reps)

@@ -87,20 +87,13 @@ def step(model, fn, batch: dict, mode: str = "eager") -> tuple[float, dict]:
 
 def saved_bytes(model, fn, batch: dict) -> int:
     """Bytes of the tensors saved for backward by one forward (parameters left out, each storage once)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
+    from moe_compile.testing.memory import SavedBytes
 
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedBytes(model) as held:
         logits = fn(input_ids=batch["input_ids"]).logits
     F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten()).backward()
-    return sum(seen.values())
+    return held.bytes
 
 
 def profile_table(run, batches: list, rows: int) -> str:

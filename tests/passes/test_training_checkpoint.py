@@ -15,6 +15,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moe_compile.report import collecting
+from moe_compile.testing.memory import SavedBytes
 from moe_compile.testing.zoo_blocks import build_block_model
 
 from .helpers import TOL, max_rel_diff
@@ -36,21 +37,13 @@ class _Checkpointed(torch.nn.Module):
 
 
 def _step(model, wrapper, kwargs, hooks=None):
-    """(output, gradients, bytes held for the backward beyond the parameters)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held: dict[int, int] = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            held[ptr] = max(held.get(ptr, 0), t.untyped_storage().nbytes())
-        return t
-
+    """(output, gradients, bytes held for the backward beyond the parameters); ``hooks``: other saved-tensor hooks
+    to run the step under instead of the counting ones."""
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooks is None else hooks:
+    with SavedBytes(model) if hooks is None else hooks as held:
         out = wrapper(**kwargs)
     (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(5))).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(held.values())
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, getattr(held, "bytes", None)
 
 
 def _compiled_step(model, wrapper, kwargs, backend="moe_npu", inner="aot_eager", hooks=None):
